@@ -1,0 +1,5 @@
+"""Command-line entry point (filled in by the CLI work)."""
+
+
+def main() -> None:
+    print("chatapp")

@@ -1,0 +1,139 @@
+"""Attention over the paged KV cache: per-step metadata and the torch backend.
+
+The KV cache of each layer is a pair of tensors shaped
+``[num_blocks, block_size, num_kv_heads, head_dim]``; token slot ``s`` lives in
+block ``s // block_size`` at offset ``s % block_size``. The model runner orders
+each step's flattened batch with single-token queries (decodes) first, then
+multi-token queries (prefill chunks), and describes it in
+:class:`AttentionMetadata`; a backend stores the step's new keys and values and
+attends over each request's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (-1: skip)
+    query_start_loc: torch.Tensor  # [B + 1] int32: where each request's queries start in the flat batch
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32: physical block ids, padded with 0
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    num_decodes: int  # the first num_decodes requests have exactly one query token
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Precompute whatever this backend needs for the step (called once, before the forward)."""
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k, v [T, Hkv, D] in the cache and return attention of q [T, H, D]."""
+
+
+class TorchAttentionBackend:
+    """Vectorised attention with torch ops: one SDPA call for all decodes, one for all prefills.
+
+    Queries are grouped per KV head (GQA) so keys and values are never repeated.
+    """
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, head_dim: int) -> None:
+        self.kv_caches = kv_caches
+        self.block_size = kv_caches[0][0].shape[1]
+        self.num_kv_heads = kv_caches[0][0].shape[2]
+        self.num_heads = num_heads
+        self.group = num_heads // self.num_kv_heads
+        self.scale = head_dim**-0.5
+        self._meta: AttentionMetadata | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self._meta = meta
+        device = meta.block_tables.device
+        bs, g = self.block_size, self.group
+        nd = meta.num_decodes
+        self._num_decode_tokens = nd
+        self._decode = None
+        self._prefill = None
+        if nd:
+            seq_lens = meta.seq_lens[:nd]
+            num_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
+            keys = torch.arange(num_blocks * bs, device=device)
+            mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
+            self._decode = (meta.block_tables[:nd, :num_blocks], mask)
+        if nd < meta.num_requests:
+            q_lens = meta.query_lens_cpu[nd:]
+            s_lens = meta.seq_lens_cpu[nd:]
+            num_blocks = -(-max(s_lens) // bs)
+            max_q = max(q_lens)
+            q_len_t = torch.tensor(q_lens, device=device)
+            start_t = torch.tensor(s_lens, device=device) - q_len_t  # cached tokens before the chunk
+            rows = torch.arange(max_q, device=device)
+            keys = torch.arange(num_blocks * bs, device=device)
+            mask = keys[None, None, :] <= (start_t[:, None, None] + rows[None, :, None])  # causal, bottom-right
+            pad_rows = rows[None, :] >= q_len_t[:, None]
+            mask[:, :, 0] |= pad_rows  # a padded query row attends somewhere, so it stays finite
+            bp = len(q_lens)
+            mask = mask[:, None, None].expand(bp, 1, g, max_q, num_blocks * bs).reshape(bp, 1, g * max_q, -1)
+            gather = None
+            if bp > 1:
+                starts = [0]
+                for n in q_lens[:-1]:
+                    starts.append(starts[-1] + n)
+                offsets = torch.tensor(starts, device=device)
+                index = (offsets[:, None] + rows[None, :]).clamp(max=sum(q_lens) - 1)  # [Bp, max_q]
+                gather = (index, ~pad_rows)
+            self._prefill = (meta.block_tables[nd:, :num_blocks], mask, max_q, gather)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self._meta
+        k_cache, v_cache = self.kv_caches[layer]
+        _store(k_cache, v_cache, k, v, meta.slot_mapping)
+        nd = self._num_decode_tokens
+        if self._prefill is None:
+            tables, mask = self._decode
+            return self._attend(q.unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
+        out = torch.empty_like(q)
+        if self._decode is not None:
+            tables, mask = self._decode
+            out[:nd] = self._attend(q[:nd].unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
+        tables, mask, max_q, gather = self._prefill
+        qp = q[nd:]
+        if gather is None:
+            out[nd:] = self._attend(qp.unsqueeze(0), k_cache, v_cache, tables, mask).squeeze(0)
+        else:
+            index, valid = gather
+            padded = self._attend(qp[index], k_cache, v_cache, tables, mask)  # [Bp, max_q, H, D]
+            out[nd:] = padded[valid]
+        return out
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, Lq, H, D] over the blocks in ``tables`` [B, nb] -> [B, Lq, H, D]."""
+        b, lq, h, d = q.shape
+        hkv, g = self.num_kv_heads, self.group
+        keys = k_cache[tables].view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache[tables].view(b, -1, hkv, d).transpose(1, 2)
+        qg = q.view(b, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, d)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        return o.view(b, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, h, d)
+
+
+def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           slot_mapping: torch.Tensor) -> None:
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)

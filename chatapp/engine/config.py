@@ -1,0 +1,143 @@
+"""One configuration object for the engine, passed down to every part.
+
+The user sets a few fields (or none); :meth:`EngineConfig.finalize` fills the
+rest from the model and the machine, so every component reads one resolved
+object instead of taking long argument lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know; ``None`` means "choose for me"."""
+
+    model: str | None = None
+    """A name from the model store, a model directory or a GGUF file; None is the bundled model."""
+    dtype: str = "auto"
+    """auto (float32 on the CPU, the checkpoint's half type on a GPU), float32, bfloat16, float16."""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cpu or cuda."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_cache_memory_gib: float | None = None
+    """CPU: the KV pool's memory budget. None: a share of the machine's RAM."""
+    gpu_memory_utilization: float = 0.9
+    """GPU: the share of device memory the engine may use (weights, activations and KV pool)."""
+    num_kv_blocks: int | None = None
+    """Forces the pool size in blocks (tests use it to force preemption)."""
+    max_num_seqs: int | None = None
+    """At most this many requests run at once."""
+    max_num_batched_tokens: int | None = None
+    """Per-step token budget shared by decodes and prefill chunks."""
+    long_prefill_token_threshold: int | None = None
+    """A prompt computes at most this many tokens per step (chunked prefill)."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); capped by the model and the KV pool."""
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    """auto (triton on CUDA, torch on the CPU), torch or triton."""
+    quantization: str | None = None
+    """None or "int8" (dynamic int8 linear layers, CPU)."""
+    num_threads: int | None = None
+    """torch intra-op threads on the CPU; None: the physical core count."""
+    seed: int = 0
+
+    # Filled by finalize(); not meant to be set by users.
+    resolved: bool = field(default=False, repr=False)
+
+    @classmethod
+    def from_overrides(cls, model: str | None = None, **overrides: Any) -> "EngineConfig":
+        """Build a config from keyword overrides, rejecting unknown names clearly."""
+        known = {f.name for f in dataclasses.fields(cls) if f.name != "resolved"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s): {', '.join(unknown)}; known options: {', '.join(sorted(known))}"
+            )
+        return cls(model=model, **overrides)
+
+    # -- resolution ---------------------------------------------------------
+
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def finalize(self, *, checkpoint_dtype: torch.dtype | None, model_max_len: int) -> "EngineConfig":
+        """Return a copy with every "auto"/None field chosen from the model and machine."""
+        cfg = dataclasses.replace(self)
+        cfg.device = _resolve_device(cfg.device)
+        cfg.dtype = _resolve_dtype(cfg.dtype, cfg.device, checkpoint_dtype)
+        cfg.attention_backend = _resolve_backend(cfg.attention_backend, cfg.device)
+        if cfg.block_size < 1 or cfg.block_size & (cfg.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {cfg.block_size}")
+        on_gpu = cfg.device == "cuda"
+        if cfg.max_num_seqs is None:
+            cfg.max_num_seqs = 256 if on_gpu else 64
+        if cfg.max_num_batched_tokens is None:
+            cfg.max_num_batched_tokens = 8192 if on_gpu else 1024
+        if cfg.long_prefill_token_threshold is None:
+            cfg.long_prefill_token_threshold = cfg.max_num_batched_tokens
+        cfg.max_model_len = min(cfg.max_model_len or model_max_len, model_max_len)
+        if cfg.kv_cache_memory_gib is None and not on_gpu:
+            total_gib = psutil.virtual_memory().total / 2**30
+            cfg.kv_cache_memory_gib = round(max(0.25, min(4.0, 0.1 * total_gib)), 2)
+        if cfg.num_threads is None:
+            cfg.num_threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        if cfg.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {cfg.quantization!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
+        cfg.resolved = True
+        return cfg
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str, checkpoint_dtype: torch.dtype | None) -> str:
+    if dtype == "auto":
+        if device == "cpu":
+            return "float32"
+        if checkpoint_dtype in (torch.float16, torch.bfloat16):
+            return "float16" if checkpoint_dtype == torch.float16 else "bfloat16"
+        return "bfloat16"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)
+
+
+def _resolve_backend(backend: str, device: str) -> str:
+    if backend == "auto":
+        return "triton" if device == "cuda" else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, got {backend!r}")
+    return backend

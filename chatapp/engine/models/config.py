@@ -1,0 +1,150 @@
+"""What the engine needs to know about a model, read from its Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The model exists but our engine cannot run it; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    eos_token_ids: frozenset[int]
+    bos_token_id: int | None
+    checkpoint_dtype: torch.dtype | None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token in float32 (halve for 16-bit caches)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes, for memory estimates before a download."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+
+def _eos_ids(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def _checkpoint_dtype(name: str | None) -> torch.dtype | None:
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(name or "")
+
+
+def check_supported(hf_config: dict[str, Any]) -> str:
+    """Return the architecture name, or raise UnsupportedModelError naming it."""
+    archs = hf_config.get("architectures") or []
+    arch = archs[0] if archs else f"<model_type {hf_config.get('model_type', 'unknown')!r}>"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model architecture {arch} is not supported by chatapp's engine; "
+            f"it runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    _, scaling = _rope_params(hf_config)
+    rope_type = scaling["rope_type"] if scaling else "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{arch} with rope scaling {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return arch
+
+
+def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either the transformers 4 or the transformers 5 layout."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            return theta, None
+        scaling.setdefault("rope_type", scaling.get("type"))
+        return theta, scaling
+    scaling = hf.get("rope_scaling")
+    if scaling:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return float(hf.get("rope_theta", 10000.0)), scaling
+
+
+def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    arch = check_supported(hf)
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    theta, scaling = _rope_params(hf)
+    max_len = int(hf.get("max_position_embeddings") or 4096)
+    window = hf.get("sliding_window")
+    uses_window = window and (arch == "MistralForCausalLM" or hf.get("use_sliding_window"))
+    if uses_window:
+        max_len = min(max_len, int(window))  # stay exact: we do not implement windowed attention
+    eos = _eos_ids(hf.get("eos_token_id")) | _eos_ids((generation_config or {}).get("eos_token_id"))
+    tie_default = arch in ("Qwen3ForCausalLM",)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", tie_default)),
+        attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        eos_token_ids=frozenset(eos),
+        bos_token_id=hf.get("bos_token_id"),
+        checkpoint_dtype=_checkpoint_dtype(hf.get("torch_dtype") or hf.get("dtype")),
+    )
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    hf = json.loads((model_dir / "config.json").read_text())
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
+    return model_config_from_dict(hf, gen)

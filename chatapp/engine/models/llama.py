@@ -1,0 +1,116 @@
+"""Our forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+The differences between these are small and are flags here: q/k/v biases
+(Qwen2), per-head RMSNorm of q and k (Qwen3), tied embeddings. Attention reads
+and writes the engine's paged KV cache through an attention backend; the
+q/k/v and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chatapp.engine.attention import AttentionBackend
+from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, mc: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
+        self.q_size = mc.num_heads * mc.head_dim
+        self.kv_size = mc.num_kv_heads * mc.head_dim
+        self.qkv_proj = nn.Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, bias=mc.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, mc.hidden_size, bias=False)
+        if mc.qk_norm:
+            self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps)
+            self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = attn.forward(self.layer, q, k, v)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, mc: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = mc.intermediate_size
+        self.gate_up_proj = nn.Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=mc.mlp_bias)
+        self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=mc.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.self_attn = Attention(mc, layer)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.mlp = MLP(mc)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids and positions of a flattened batch in, final hidden states out."""
+
+    def __init__(self, mc: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = mc
+        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(mc, i) for i in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        if mc.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.rope: RotaryEmbedding | None = None
+
+    def build_rope(self, dtype: torch.dtype, device: torch.device) -> None:
+        mc = self.config
+        self.rope = RotaryEmbedding(mc.head_dim, self.max_positions, mc.rope_theta, mc.rope_scaling, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,114 @@
+"""A request as the engine core sees it: token ids in, token ids out.
+
+The scheduler speaks only in "tokens computed vs tokens known": a fresh prompt,
+a prefix-cache hit, a prefill chunk and a resumed preempted request differ only
+in ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from array import array
+
+import torch
+
+from chatapp.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """Hash of a full block, chained over its parent so equal hashes mean equal prefixes."""
+    digest = hashlib.blake2b(parent_hash or b"root", digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class Request:
+    """One generation request inside the engine core."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int],
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission, for usage stats
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.monotonic()
+        self.error: str | None = None
+        self.stop_token_ids = frozenset(params.stop_token_ids or ())
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        limit = max_model_len - self.num_prompt_tokens
+        self.max_output_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self._block_size = block_size
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+
+    # -- token bookkeeping --------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known: the prompt plus everything sampled so far."""
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self._block_size == 0:
+            self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        bs = self._block_size
+        tokens = self.all_token_ids
+        while (len(self.block_hashes) + 1) * bs <= len(tokens):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def check_stop(self, token_id: int) -> RequestStatus | None:
+        """The finish status after sampling ``token_id``, or None to go on."""
+        if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,43 @@
+"""Where chatapp keeps its files, from platformdirs.
+
+Every directory can be moved with an environment variable so tests (and users
+with unusual setups) never touch the real home directory:
+``CHATAPP_CACHE_DIR``, ``CHATAPP_DATA_DIR``, ``CHATAPP_CONFIG_DIR``, ``CHATAPP_RUNTIME_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "chatapp"
+
+
+def _dir(env_var: str, default: str) -> Path:
+    path = Path(os.environ.get(env_var) or default)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_dir() -> Path:
+    """Converted models and other data that can be rebuilt."""
+    return _dir("CHATAPP_CACHE_DIR", platformdirs.user_cache_dir(APP_NAME))
+
+
+def data_dir() -> Path:
+    """Chat history: data the user would be sad to lose."""
+    return _dir("CHATAPP_DATA_DIR", platformdirs.user_data_dir(APP_NAME))
+
+
+def config_dir() -> Path:
+    """The settings file."""
+    return _dir("CHATAPP_CONFIG_DIR", platformdirs.user_config_dir(APP_NAME))
+
+
+def runtime_dir() -> Path:
+    """The engine's IPC socket; private to this user (mode 0700)."""
+    path = _dir("CHATAPP_RUNTIME_DIR", platformdirs.user_runtime_dir(APP_NAME))
+    os.chmod(path, 0o700)
+    return path

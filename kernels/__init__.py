@@ -1,0 +1,1 @@
+"""Triton kernels for the GPU executor (installed as ``chatapp.kernels``)."""
