@@ -1,5 +1,37 @@
-"""Command-line entry point (filled in by the CLI work)."""
+"""The `chatapp` command: the TUI by default, plus `serve` and `models` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
 
 
-def main() -> None:
-    print("chatapp")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chatapp", description="Chat with local models in your terminal.")
+    parser.add_argument("--model", help="model name, directory or GGUF file (default: the bundled SmolLM2)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine activity")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from chatapp import cli_models
+
+    cli_models.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = getattr(args, "handler", None)
+    try:
+        if handler is not None:
+            return int(handler(args) or 0)
+        print("The TUI is not built yet; try `chatapp models list`.", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from chatapp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,29 @@
+"""Shared fixtures. Tests never touch the user's data, config or runtime dirs.
+
+The cache dir is left alone on purpose: the bundled model's one-time
+conversion is cached there and shared by every test run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.mktemp("chatapp-home")
+    for var in ("CHATAPP_DATA_DIR", "CHATAPP_CONFIG_DIR", "CHATAPP_RUNTIME_DIR"):
+        os.environ[var] = str(base / var.lower())
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama (GQA 4:2) with the real SmolLM2 tokenizer."""
+    from tests.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

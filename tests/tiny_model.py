@@ -1,0 +1,68 @@
+"""Tiny randomly initialised models for fast engine tests.
+
+They borrow the bundled SmolLM2 tokenizer (converted once and cached), so
+prompts, chat templates and detokenisation are real; only the weights are tiny.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def make_tiny_model(
+    path: Path,
+    arch: str = "LlamaForCausalLM",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 2048,
+    init_std: float = 0.25,
+    seed: int = 0,
+) -> Path:
+    """Write a random model of the given Llama-family architecture (HF format) to ``path``."""
+    import transformers
+
+    from chatapp.store import resolve_model
+
+    bundled = resolve_model(None).path
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }[arch]
+    config = config_cls(
+        vocab_size=49152,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+    )
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (bundled / name).exists():
+            shutil.copy(bundled / name, path / name)
+    return path
