@@ -325,3 +325,17 @@ def test_plan_pull_reports_files_and_estimate_without_downloading(hub: FakeHub) 
     assert plan.estimate is not None and plan.estimate.label == "fits"
     assert plan.facts is not None and plan.facts.parameters == plan.estimate.weights_bytes // 4
     assert not hub.cache.exists() or not any(hub.cache.iterdir())
+
+
+def test_pulled_model_loads_in_the_engine_and_generates(hub: FakeHub, tiny_llama: Path) -> None:
+    from chatapp.engine import LLM, SamplingParams
+
+    assert run_cli("models", "pull", REPO)[0] == 0
+    params = SamplingParams(temperature=0, max_tokens=5)
+    pulled = LLM(model=REPO, num_kv_blocks=64)
+    assert pulled.core.model.source == "hf-cache"
+    out = pulled.generate(["hi"], params)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    # The same weights straight from the directory the fake Hub served give the same tokens.
+    original = LLM(model=str(tiny_llama), num_kv_blocks=64).generate(["hi"], params)[0]
+    assert out.outputs[0].token_ids == original.outputs[0].token_ids
