@@ -140,11 +140,21 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if plan.estimate:
         print(f"memory: {plan.estimate.describe()}")
     hub.check_plan(plan, force=args.force)
-    try:
-        path = hub.download_plan(plan)
-    except KeyboardInterrupt:
-        _error(f"interrupted; run `chatapp models pull {args.spec}` again to resume")
-        return 130
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
+
+    again = f"run `chatapp models pull {args.spec}` again to continue"
+    need = hub.bytes_to_download(plan)
+    with tqdm(total=plan.total_bytes, initial=plan.total_bytes - need, unit="B", unit_scale=True,
+              desc=f"pulling {plan.name}", disable=None) as bar:  # None: only on a terminal
+        try:
+            path = hub.download_plan(plan, progress=bar.update)
+        except KeyboardInterrupt:
+            bar.close()
+            _error(f"interrupted; {again}")
+            return 130
+        except hub.HubError as e:
+            bar.close()
+            raise hub.HubError(f"{e}; {again}") from e
     print(f"pulled {plan.name} into {path}")
     print(f"run it with: chatapp --model {plan.name}")
     return 0

@@ -315,34 +315,55 @@ def bytes_to_download(plan: PullPlan) -> int:
     return need
 
 
-def download_plan(plan: PullPlan, *, token: str | bool | None = None, tqdm_class: Any = None) -> Path:
+def download_plan(plan: PullPlan, *, token: str | bool | None = None,
+                  progress: Callable[[int], None] | None = None) -> Path:
     """Fetch the plan's files into the HF cache; returns the model directory (or the GGUF file).
 
     Files already in the cache are not fetched again; weight files resume
-    where an earlier, interrupted pull stopped. ``tqdm_class`` (a tqdm
-    subclass) receives the byte progress, as in huggingface_hub.
+    where an earlier, interrupted pull stopped. ``progress`` is called with
+    each number of bytes received (a progress bar's ``update``).
     """
     from huggingface_hub import hf_hub_download
 
     _require_online()
+    bars = _forwarding_tqdm(progress) if progress else None
     local: dict[str, Path] = {}
     for f in plan.files:
         if f.sha256:  # LFS: the big files
             path = _hub_call(plan.repo_id, _download_resumable, plan.repo_id, f.name, plan.revision,
-                             token=token, tqdm_class=tqdm_class)
+                             token=token, tqdm_class=bars)
         else:
             path = _hub_call(plan.repo_id, hf_hub_download, plan.repo_id, f.name, revision=plan.revision,
-                             token=token, tqdm_class=tqdm_class)
+                             token=token, tqdm_class=bars)
         local[f.name] = Path(path)
     return local[plan.gguf_file] if plan.gguf_file else local["config.json"].parent
 
 
+def _forwarding_tqdm(progress: Callable[[int], None]) -> type:
+    """A silent tqdm class for huggingface_hub's per-file bars that reports their bytes to ``progress``.
+
+    One bar (or TUI widget) for the whole pull reads better than a bar per file.
+    """
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class _Forwarding(hf_tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            progress(int(n or 0))
+            return super().update(n)
+
+    return _Forwarding
+
+
 def pull(spec: str, *, revision: str | None = None, token: str | bool | None = None, force: bool = False,
-         tqdm_class: Any = None) -> Path:
+         progress: Callable[[int], None] | None = None) -> Path:
     """Plan, check and download in one call; returns the model directory (or GGUF file)."""
     plan = plan_pull(spec, revision=revision, token=token)
     check_plan(plan, force=force)
-    return download_plan(plan, token=token, tqdm_class=tqdm_class)
+    return download_plan(plan, token=token, progress=progress)
 
 
 def _hf_cache_dir() -> Path:
@@ -405,8 +426,8 @@ def _fetch_blob(url: str, meta: Any, blob: Path, filename: str, *, token: str | 
                  displayed_filename=filename, tqdm_class=tqdm_class)
     if resumed and re.fullmatch(r"[0-9a-f]{64}", meta.etag) and _sha256(partial) != meta.etag:
         partial.unlink()
-        raise HubError(f"{filename} did not match its checksum after resuming; run the pull again "
-                       "to download it afresh")
+        raise HubError(f"{filename} did not match its checksum after resuming, so the partial download "
+                       "was deleted")
     os.replace(partial, blob)
 
 

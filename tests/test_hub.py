@@ -339,3 +339,14 @@ def test_pulled_model_loads_in_the_engine_and_generates(hub: FakeHub, tiny_llama
     # The same weights straight from the directory the fake Hub served give the same tokens.
     original = LLM(model=str(tiny_llama), num_kv_blocks=64).generate(["hi"], params)[0]
     assert out.outputs[0].token_ids == original.outputs[0].token_ids
+
+
+def test_progress_counts_every_byte_once_even_across_a_dropped_connection(hub: FakeHub, tiny_llama: Path) -> None:
+    from chatapp.hub import pull
+
+    weights = (tiny_llama / "model.safetensors").read_bytes()
+    hub.interrupt("model.safetensors", _cut_point(weights))
+    received: list[int] = []
+    path = pull(REPO, progress=received.append)
+    on_disk = sum(f.stat().st_size for f in path.iterdir())
+    assert sum(received) == on_disk and len(received) > 1
