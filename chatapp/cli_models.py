@@ -156,6 +156,18 @@ def cmd_pull(args: argparse.Namespace) -> int:
             bar.close()
             raise hub.HubError(f"{e}; {again}") from e
     print(f"pulled {plan.name} into {path}")
+    if plan.gguf_file and plan.facts is None:
+        # The Hub said nothing about this GGUF file: its own header tells us now.
+        from chatapp.model_facts import facts_from_gguf
+
+        facts = facts_from_gguf(path)
+        if not facts.supported:
+            _error(f"chatapp cannot run {plan.name}: {facts.reason}; remove it with "
+                   f"`chatapp models rm {plan.name}`")
+            return 1
+        estimate = estimate_for(facts)
+        if estimate:
+            print(f"memory: {estimate.describe()}")
     print(f"run it with: chatapp --model {plan.name}")
     return 0
 

@@ -231,7 +231,8 @@ def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) ->
     other = tiny_gguf(tmp_path / "tiny-F16.gguf", rows=128).read_bytes()
     hub.add_repo("tiny/gguf", {"tiny-Q8_0.gguf": small, "tiny-F16.gguf": other, "README.md": b"hi"},
                  info={"gguf": {"total": 128, "architecture": "llama", "context_length": 2048}})
-    hub.add_repo("tiny/phi-gguf", {"phi-Q4.gguf": small}, info={"gguf": {"total": 128, "architecture": "phi3"}})
+    phi = tiny_gguf(tmp_path / "phi.gguf", arch="phi3", rows=32).read_bytes()
+    hub.add_repo("tiny/phi-gguf", {"phi-Q4.gguf": phi}, info={"gguf": {"total": 128, "architecture": "phi3"}})
 
     code, out, err = run_cli("models", "pull", "tiny/gguf:tiny-Q8_0.gguf")
     assert code == 0, err
@@ -244,6 +245,14 @@ def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) ->
 
     code, _, err = run_cli("models", "pull", "tiny/phi-gguf:phi-Q4.gguf")
     assert code == 1 and "'phi3' is not supported" in err
+    assert hub.served("phi-Q4.gguf") == []
+
+    # Without the Hub's GGUF summary the file's own header is checked once it is here.
+    hub.add_repo("tiny/plain-gguf", {"a.gguf": small, "b.gguf": tiny_gguf(tmp_path / "b.gguf", arch="phi3").read_bytes()})
+    code, out, err = run_cli("models", "pull", "tiny/plain-gguf:a.gguf")
+    assert code == 0 and "memory: fits" in out, err
+    code, out, err = run_cli("models", "pull", "tiny/plain-gguf:b.gguf")
+    assert code == 1 and "cannot run tiny/plain-gguf:b.gguf" in err and "models rm" in err
     code, _, err = run_cli("models", "pull", "tiny/gguf:missing.gguf")
     assert code == 1 and "tiny-F16.gguf" in err  # says which files there are
     code, _, err = run_cli("models", "pull", "tiny/gguf")
