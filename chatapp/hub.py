@@ -156,7 +156,9 @@ def explain(exc: BaseException, repo_id: str | None = None) -> str | None:
     if isinstance(exc, errors.GatedRepoError):
         return f"{what} is gated: ask for access on {_endpoint()}/{repo_id or ''}, then {LOGIN_HINT}"
     if isinstance(exc, errors.RepositoryNotFoundError):
-        return f"{what} was not found on the Hub; if it is private or gated, {LOGIN_HINT}"
+        status = exc.response.status_code if exc.response is not None else None
+        refused = f" (HTTP {status}: not found, or not readable without a login)" if status in (401, 403) else ""
+        return f"{what} was not found on the Hub{refused}; if it is private or gated, {LOGIN_HINT}"
     if isinstance(exc, errors.RevisionNotFoundError):
         return f"that revision of {what} does not exist on the Hub"
     if isinstance(exc, errors.RemoteEntryNotFoundError):

@@ -9,7 +9,8 @@ It answers the routes huggingface_hub 2.x calls for a model pull and a search:
 - ``GET /cdn/{sha256}``, the "CDN": served on ``localhost`` rather than
   ``127.0.0.1``, so it is another origin, as the real CDN is; it honours Range.
 
-Every request is logged (`FakeHub.requests`) so tests can assert what was or
+A token starting with ``hf_expired`` is refused everywhere, as the Hub
+refuses a revoked token. Every request is logged (`FakeHub.requests`) so tests can assert what was or
 was never fetched; `interrupt()` makes the CDN drop a connection half-way.
 """
 
@@ -153,6 +154,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self._error(404, "EntryNotFound", "no such route")
 
         def _repo_or_error(self, repo_id: str, files: bool) -> FakeRepo | None:
+            if (self.headers.get("Authorization") or "").startswith("Bearer hf_expired"):
+                self._error(401, None, "Invalid credentials in Authorization header")
+                return None
             repo = hub.repos.get(repo_id)
             authorized = repo is not None and (repo.token is None or
                                                self.headers.get("Authorization") == f"Bearer {repo.token}")

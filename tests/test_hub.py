@@ -172,8 +172,12 @@ def test_private_repo_needs_a_login_and_uses_the_token(hub: FakeHub, tiny_llama:
 
     code, _, err = run_cli("models", "pull", "me/private")
     assert code == 1
-    assert "hf auth login" in err and "HF_TOKEN" in err
+    assert "HTTP 401" in err and "hf auth login" in err and "HF_TOKEN" in err
     assert hub.served("model.safetensors") == []
+
+    monkeypatch.setenv("HF_TOKEN", "hf_expired_token")
+    code, _, err = run_cli("models", "pull", "me/private")
+    assert code == 1 and "refused (HTTP 401)" in err and "hf auth login" in err
 
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     first = len(hub.requests)
