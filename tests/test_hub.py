@@ -259,6 +259,14 @@ def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) ->
     assert code == 0 and "memory: fits" in out, err
     code, out, err = run_cli("models", "pull", "tiny/plain-gguf:b.gguf")
     assert code == 1 and "cannot run tiny/plain-gguf:b.gguf" in err and "models rm" in err
+
+    # Removing one GGUF file keeps the repo's other one; removing the last one removes the repo.
+    code, out, err = run_cli("models", "rm", "tiny/plain-gguf:b.gguf", "--yes")
+    assert code == 0, err
+    names = [line.split()[0] for line in run_cli("models", "list")[1].splitlines()[1:]]
+    assert "tiny/plain-gguf:a.gguf" in names and "tiny/plain-gguf:b.gguf" not in names
+    assert run_cli("models", "rm", "tiny/plain-gguf:a.gguf", "--yes")[0] == 0
+    assert not (hub.cache / "models--tiny--plain-gguf").exists()
     code, _, err = run_cli("models", "pull", "tiny/gguf:missing.gguf")
     assert code == 1 and "tiny-F16.gguf" in err  # says which files there are
     code, _, err = run_cli("models", "pull", "tiny/gguf")
