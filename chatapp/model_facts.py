@@ -224,7 +224,10 @@ def _unsupported(facts: ModelFacts, reason: str) -> ModelFacts:
 
 def facts_from_gguf(path: Path) -> ModelFacts:
     """Facts from a GGUF file's header, cached: parsing it reads the whole vocabulary (~3 s)."""
-    summary = _gguf_summary(path)
+    try:
+        summary = _gguf_summary(path)
+    except Exception as e:  # truncated or not GGUF at all: say so in the listing rather than crash it
+        return ModelFacts(None, None, None, None, None, None, False, f"unreadable GGUF file ({e})")
     return facts_from_gguf_summary(summary)
 
 

@@ -23,10 +23,13 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from chatapp import paths
 from chatapp.model_facts import ModelFacts, facts_from_gguf, facts_from_model_dir, safetensors_files
+
+if TYPE_CHECKING:
+    from huggingface_hub import HFCacheInfo
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +322,7 @@ def _registered_model(path: Path) -> LocalModel:
     return LocalModel(name, "directory", path, size, facts_from_model_dir(path))
 
 
-def _scan_hf_cache():  # -> huggingface_hub.HFCacheInfo
+def _scan_hf_cache() -> HFCacheInfo:
     """scan_cache_dir() of the cache huggingface_hub uses right now.
 
     Named explicitly: scan_cache_dir's default is bound when its module is
