@@ -502,7 +502,8 @@ class HistoryStore:
                 raise HistoryOpenError(f"cannot create a lock file next to the chat history {self.db_path}: "
                                        f"{exc}") from None
             _WriterLock.sweep(self._writer_dir)
-            self._recover_orphans()
+            with suppress(HistoryWriteError):  # e.g. disk full: the history can still be read; retried next open
+                self._recover_orphans()
         except BaseException:
             self.close()
             raise
