@@ -401,7 +401,14 @@ if hasattr(os, "register_at_fork"):
 
 # -- helpers --------------------------------------------------------------------
 
-_UNSET: Any = object()
+class _Unset:
+    """Marks an update_session argument that was not given (None is a real value there)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+_UNSET: Any = _Unset()
 
 _REASONS: Final = {
     sqlite3.SQLITE_FULL: "the disk is full (or the history file reached its size limit)",
