@@ -18,7 +18,7 @@ import torch
 
 from chatapp.engine.attention import AttentionMetadata
 from chatapp.kernels import TilePlan, paged_attention, plan_tiles, store_kv
-from chatapp.kernels.paged_attention import DECODE_BLOCK_M, DECODE_TILE_N, PREFILL_BLOCK_M, PREFILL_TILE_N
+from chatapp.kernels.attention import DECODE_BLOCK_M, DECODE_TILE_N, PREFILL_BLOCK_M, PREFILL_TILE_N
 
 
 class TritonAttentionBackend:
