@@ -1,0 +1,154 @@
+"""The engine core: a step() loop of schedule -> execute -> update, on token ids.
+
+Text never enters the core: prompts arrive tokenized and outputs leave as
+token ids (clients detokenize), so the core's loop does only engine work. The
+background engine process drives this same object.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from chatapp.engine.config import EngineConfig
+from chatapp.engine.kv_manager import KVCacheManager
+from chatapp.engine.model_runner import ModelRunner
+from chatapp.engine.models.config import ModelConfig, load_model_config
+from chatapp.engine.outputs import EngineCoreOutput
+from chatapp.engine.request import Request, RequestStatus
+from chatapp.engine.sampling_params import SamplingParams
+from chatapp.engine.scheduler import Scheduler
+from chatapp.store import ResolvedModel, resolve_model
+
+log = logging.getLogger(__name__)
+
+_RECENT_STEPS = 64
+
+
+def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int | None) -> str:
+    """The wording litellm (and so aider) recognises as a context-window error."""
+    asked = num_prompt + (max_tokens or 0)
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{asked} tokens ({num_prompt} in the messages, {max_tokens or 0} in the completion). "
+            f"Please reduce the length of the messages or completion.")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: ResolvedModel | None = None) -> None:
+        start = time.perf_counter()
+        self.model = model or resolve_model(config.model)
+        self.model_config: ModelConfig = load_model_config(self.model.path)
+        mc = self.model_config
+        config = config.finalize(checkpoint_dtype=mc.checkpoint_dtype, model_max_len=mc.max_position_embeddings)
+        self.runner = ModelRunner(config, mc, self.model.path)
+        # A request must always fit the pool on its own, so cap the context at the pool's size.
+        config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)
+        self.config = config
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self._pending: list[EngineCoreOutput] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._recent: deque[tuple[float, int, float]] = deque(maxlen=_RECENT_STEPS)  # (end time, tokens, seconds)
+        self.load_seconds = time.perf_counter() - start
+        log.info(
+            "engine ready: %s on %s (%s, %s attention), KV cache %d blocks x %d tokens = %.2f GiB, "
+            "max_model_len %d, loaded in %.1f s",
+            self.model.name, config.device, config.dtype, config.attention_backend, self.kv.num_blocks,
+            config.block_size, self.kv.num_blocks * self.runner.bytes_per_block() / 2**30,
+            config.max_model_len, self.load_seconds,
+        )
+
+    # -- requests -----------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; one that can never run finishes at the next step with an error."""
+        error = self._validate(request_id, prompt_token_ids, params)
+        if error is not None:
+            self._pending.append(EngineCoreOutput(request_id, [], "error", num_prompt_tokens=len(prompt_token_ids),
+                                                  error=error))
+            return
+        req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
+                      self.config.block_size, self.config.max_model_len)
+        self.scheduler.add(req)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
+        if request_id in self.scheduler.requests:
+            return f"request id {request_id!r} is already running"
+        if not prompt:
+            return "the prompt is empty"
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            return f"prompt token ids must be in [0, {vocab})"
+        if len(prompt) >= self.config.max_model_len:
+            return context_length_error(self.config.max_model_len, len(prompt), params.max_tokens)
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests now and free their blocks; each reports finish_reason "abort" at the next step."""
+        for request_id in request_ids:
+            req = self.scheduler.requests.get(request_id)
+            if req is None:
+                continue
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self._pending.append(EngineCoreOutput(request_id, [], "abort",
+                                                  num_prompt_tokens=req.num_prompt_tokens,
+                                                  num_cached_tokens=req.num_cached_tokens))
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.num_unfinished or self._pending)
+
+    # -- the loop -----------------------------------------------------------
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        step_start = time.perf_counter()
+        result = self.runner.execute(batch, {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests})
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.prompt_tokens_total += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
+        sampled = result.sampled
+        for i, req in enumerate(result.sampled_requests):
+            token = sampled.token_ids[i]
+            req.append_token(token)
+            status = req.check_stop(token)
+            out = EngineCoreOutput(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,
+                                   num_cached_tokens=req.num_cached_tokens)
+            if sampled.logprobs[i] is not None:
+                out.new_logprobs = [sampled.logprobs[i]]
+            if status is not None:
+                self.scheduler.finish(req, status)
+                out.finish_reason = status.value
+            outputs.append(out)
+        self.generation_tokens_total += len(result.sampled_requests)
+        self._recent.append((time.monotonic(), len(result.sampled_requests), time.perf_counter() - step_start))
+        return outputs
+
+    # -- introspection ------------------------------------------------------
+
+    def stats(self) -> dict[str, float | int | str]:
+        kv = self.kv
+        recent = [r for r in self._recent if time.monotonic() - r[0] < 10.0]
+        busy = sum(r[2] for r in recent)
+        return {
+            "model": self.model.name,
+            "device": self.config.device,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
+            "prefix_cache_queries": kv.stats.queries,
+            "prefix_cache_hits": kv.stats.hits,
+            "prefix_cache_hit_rate": kv.stats.hit_rate,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "generation_tokens_per_second": sum(r[1] for r in recent) / busy if busy else 0.0,
+        }

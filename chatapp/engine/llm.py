@@ -1,0 +1,72 @@
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``.chat(conversations, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from chatapp.engine.config import EngineConfig
+from chatapp.engine.core import EngineCore
+from chatapp.engine.output_processor import OutputProcessor
+from chatapp.engine.outputs import RequestOutput
+from chatapp.engine.sampling_params import SamplingParams
+from chatapp.engine.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs the engine core in this process and drives its step loop until the batch is done."""
+
+    def __init__(self, model: str | None = None, **overrides: Any) -> None:
+        config = EngineConfig.from_overrides(model, **overrides)
+        self.core = EngineCore(config)
+        self.config = self.core.config
+        self.tokenizer = Tokenizer(self.core.model.path)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Complete prompts (a string, a list of strings, or token-id lists), in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                items.append((prompt, self.tokenizer.encode(prompt)))
+            else:
+                items.append((None, list(prompt)))
+        return self._run(items, params)
+
+    def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Answer OpenAI-style message lists rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        items = [(None, self.tokenizer.render_chat(list(c))) for c in conversations]
+        return self._run(items, params)
+
+    def stats(self) -> dict[str, float | int | str]:
+        return self.core.stats()
+
+    def _run(self, items: list[tuple[str | None, list[int]]],
+             params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        ids = []
+        for (text, token_ids), p in zip(items, params):
+            request_id = f"offline-{next(self._ids)}"
+            ids.append(request_id)
+            self.processor.add_request(request_id, text, token_ids, p)
+            self.core.add_request(request_id, token_ids, p)
+        while self.core.has_work():
+            _, to_abort = self.processor.process(self.core.step())
+            if to_abort:
+                self.core.abort(to_abort)
+        return [self.processor.finished.pop(i) for i in ids]

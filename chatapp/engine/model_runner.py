@@ -1,0 +1,171 @@
+"""Runs the model on one scheduled batch: flatten, forward, sample.
+
+Each step builds one flattened batch of every scheduled request's new tokens
+(single-token decodes first, then prefill chunks), with positions, cache slots
+and block tables, and runs one forward pass for all of them. Only the last
+position of requests that reached the end of their known tokens is sampled,
+so the LM head runs on those rows alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend
+from chatapp.engine.config import EngineConfig
+from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.loader import load_model
+from chatapp.engine.request import Request
+from chatapp.engine.sampler import Sampler, SamplerOutput
+from chatapp.engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    sampled_requests: list[Request]
+    sampled: SamplerOutput
+    forward_seconds: float
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path) -> None:
+        self.config = config
+        self.mc = model_config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        start = time.perf_counter()
+        self.model = load_model(model_dir, model_config, self.dtype, self.device, config.max_model_len)
+        log.info("loaded %s weights in %.2f s", model_config.architecture, time.perf_counter() - start)
+        if config.quantization == "int8":
+            from chatapp.engine.quantization import quantize_int8
+
+            quantize_int8(self.model)
+        self.block_size = config.block_size
+        self.num_blocks = self._choose_num_blocks()
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.attn = self._make_attention_backend()
+        self.sampler = Sampler()
+
+    # -- set-up -------------------------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        mc = self.mc
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def _choose_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            return self._profile_gpu_blocks()
+        return max(1, int(cfg.kv_cache_memory_gib * 2**30) // self.bytes_per_block())
+
+    def _profile_gpu_blocks(self) -> int:
+        """Run a worst-case forward, then give the KV pool what memory is left."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = self.config.max_num_batched_tokens
+        dummy_caches = self._allocate_kv_caches(1)
+        backend = self._make_attention_backend(dummy_caches)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),
+            query_lens_cpu=[n], seq_lens_cpu=[n], num_decodes=0, max_query_len=n, max_seq_len=n,
+        )
+        with torch.inference_mode():
+            backend.begin_step(meta)
+            hidden = self.model(ids, torch.arange(n, device=self.device) % self.config.max_model_len, backend)
+            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del dummy_caches, backend, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = total * self.config.gpu_memory_utilization - peak
+        blocks = int(budget // self.bytes_per_block())
+        if blocks < 1:
+            raise RuntimeError("not enough GPU memory left for the KV cache; lower max_num_batched_tokens")
+        return blocks
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mc = self.mc
+        # Zeroed, not empty: padded key positions are masked, but 0 * NaN would still poison them.
+        pool = torch.zeros(mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
+                           dtype=self.dtype, device=self.device)
+        return [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
+
+    def _make_attention_backend(self, kv_caches=None):
+        kv_caches = kv_caches if kv_caches is not None else self.kv_caches
+        if self.config.attention_backend == "triton":
+            from chatapp.engine.attention_triton import TritonAttentionBackend
+
+            return TritonAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim)
+        return TorchAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim)
+
+    # -- one step -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> StepResult:
+        """Run one forward over the batch and sample where a request reached its end."""
+        bs = self.block_size
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
+        reqs = [batch.requests[i] for i in order]
+        q_lens = [batch.num_new_tokens[i] for i in order]
+        starts = [r.num_computed_tokens for r in reqs]
+        seq_lens = [s + q for s, q in zip(starts, q_lens)]
+        num_decodes = sum(1 for q in q_lens if q == 1)
+
+        tokens: list[int] = []
+        for r, s, q in zip(reqs, starts, q_lens):
+            tokens.extend(r.all_token_ids[s : s + q])
+        tables = [block_ids[r.request_id] for r in reqs]
+        max_blocks = max(len(t) for t in tables)
+        table_np = np.zeros((len(reqs), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_np[i, : len(t)] = t
+        q_lens_np = np.asarray(q_lens, dtype=np.int64)
+        query_start = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens_np, out=query_start[1:])
+        req_of_token = np.repeat(np.arange(len(reqs)), q_lens_np)
+        positions = np.arange(len(tokens), dtype=np.int64) - query_start[req_of_token] + np.repeat(starts, q_lens_np)
+        slots = table_np[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+
+        sample_rows = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens]
+        logits_indices = query_start[1:][sample_rows] - 1
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(table_np).to(dev),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+            num_decodes=num_decodes,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+        )
+        start = time.perf_counter()
+        self.attn.begin_step(meta)
+        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=dev),
+                            torch.from_numpy(positions).to(dev), self.attn)
+        sampled_reqs = [reqs[i] for i in sample_rows]
+        if not sampled_reqs:
+            return StepResult([], SamplerOutput([], []), time.perf_counter() - start)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
+        forward_seconds = time.perf_counter() - start
+        return StepResult(sampled_reqs, self.sampler(logits, sampled_reqs), forward_seconds)

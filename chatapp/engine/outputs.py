@@ -1,0 +1,56 @@
+"""What the engine core sends out each step, and what users of the engine get back.
+
+Core outputs are msgspec structs so the engine process can ship them cheaply;
+``RequestOutput`` is the user-facing result (vLLM-shaped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprob of the chosen token and the top-N alternatives as (token_id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens of one request in one step (token ids only; text is made by the client)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)

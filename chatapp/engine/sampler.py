@@ -1,0 +1,120 @@
+"""Turning a batch of logits into next tokens, each row with its own parameters.
+
+Everything is batched except what is per-request by nature: logit bias,
+penalties (they need the request's token history) and seeded noise (each
+seeded request draws from its own generator, so a seed repeats exactly
+whatever else shares the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chatapp.engine.outputs import TokenLogprobs
+from chatapp.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [S, V] for ``requests`` (same order)."""
+        logits = logits.float()
+        want_logprobs = any(r.params.logprobs is not None for r in requests)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+        for i, req in enumerate(requests):
+            params = req.params
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), device=logits.device)
+                ids = ids[ids < logits.shape[1]]
+                bias = torch.tensor([params.logit_bias[int(t)] for t in ids], device=logits.device)
+                logits[i, ids] += bias
+            if params.uses_penalties:
+                _apply_penalties(logits[i], req)
+
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(r.params.greedy for r in requests):
+            tokens = greedy_tokens
+        else:
+            tokens = torch.where(self._greedy_mask(requests, logits.device), greedy_tokens,
+                                 self._sample_random(logits, requests))
+        token_list = tokens.tolist()
+        logprobs = [None] * len(requests)
+        if raw_logprobs is not None:
+            logprobs = [_token_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs)
+                        for i, r in enumerate(requests)]
+        return SamplerOutput(token_list, logprobs)
+
+    @staticmethod
+    def _greedy_mask(requests: list[Request], device: torch.device) -> torch.Tensor:
+        return torch.tensor([r.params.greedy for r in requests], device=device)
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        device = logits.device
+        params = [r.params for r in requests]
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        logits = logits / temps[:, None]
+        vocab = logits.shape[1]
+        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a CDF search.
+        noise = torch.empty_like(probs).exponential_()
+        for i, req in enumerate(requests):
+            if req.params.seed is not None:
+                if req.generator is None or req.generator.device != device:
+                    req.generator = torch.Generator(device=device).manual_seed(req.params.seed)
+                noise[i].exponential_(generator=req.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    remove = ranks >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
+    remove |= before >= top_p[:, None]
+    remove[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_penalties(row: torch.Tensor, req: Request) -> None:
+    """Repetition penalty (HF: prompt and output) and OpenAI presence/frequency (output only)."""
+    params = req.params
+    vocab = row.shape[0]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), device=row.device, dtype=torch.long)
+        seen = seen[seen < vocab]
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        output = torch.tensor(req.output_token_ids, device=row.device, dtype=torch.long)
+        if output.numel():
+            counts = torch.bincount(output[output < vocab], minlength=vocab).to(row.dtype)
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _token_logprobs(logprobs_row: torch.Tensor, token: int, top_n: int | None) -> TokenLogprobs | None:
+    if top_n is None:
+        return None
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        values, ids = logprobs_row.topk(top_n)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(float(logprobs_row[token]), top)
