@@ -28,7 +28,8 @@ def _store_kv_kernel(
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, DIM_PAD)
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    dst = row + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
