@@ -16,8 +16,8 @@ covers prefill chunks whose earlier tokens are already cached. Softmax is the
 online (flash) form in fp32, in base 2 so the exponent is a native ``exp2``.
 
 A tile never reads keys past its own last token, so decode tiles and early
-prefill tiles stop early; rows outside the request are computed on
-zeros and never stored.
+prefill tiles stop early. Padding rows (tokens past the request, heads past the
+group) run on zero queries and are never stored.
 """
 
 from __future__ import annotations
@@ -36,12 +36,6 @@ import triton.language as tl
 # to be powers of two and at least 16.
 DECODE_BLOCK_M, DECODE_TILE_N = 16, 64
 PREFILL_BLOCK_M, PREFILL_TILE_N = 64, 64
-
-# Triton's interpreter keeps bfloat16 as raw uint16 bits and tl.dot multiplies
-# those bits (it does not support bf16 arithmetic), so interpreted kernels
-# widen bf16 dot operands to fp32 first. That is exact: a bf16 x bf16 product
-# fits in fp32, which is also what the GPU's bf16 MMA accumulates in.
-_INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @dataclass(frozen=True)
@@ -159,6 +153,14 @@ def _paged_attention_kernel(
     out = acc / l_i[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+# Triton's interpreter keeps bfloat16 as raw uint16 bits and tl.dot multiplies
+# those bits (it does not support bf16 arithmetic), so interpreted kernels
+# widen bf16 dot operands to fp32 first. That is exact: a bf16 x bf16 product
+# fits in fp32, which is also what the GPU's bf16 MMA accumulates in.
+# Asking the kernel object reflects the decision Triton made when defining it.
+_INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
