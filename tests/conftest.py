@@ -6,6 +6,8 @@ conversion is cached there and shared by every test run.
 
 from __future__ import annotations
 
+import chatapp  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads (chatapp/__init__.py)
+
 import os
 from pathlib import Path
 

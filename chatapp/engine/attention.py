@@ -73,7 +73,7 @@ class TorchAttentionBackend:
             num_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
             keys = torch.arange(num_blocks * bs, device=device)
             mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
-            self._decode = (meta.block_tables[:nd, :num_blocks], mask)
+            self._decode = (meta.block_tables[:nd, :num_blocks].long(), mask)
         if nd < meta.num_requests:
             q_lens = meta.query_lens_cpu[nd:]
             s_lens = meta.seq_lens_cpu[nd:]
@@ -96,7 +96,7 @@ class TorchAttentionBackend:
                 offsets = torch.tensor(starts, device=device)
                 index = (offsets[:, None] + rows[None, :]).clamp(max=sum(q_lens) - 1)  # [Bp, max_q]
                 gather = (index, ~pad_rows)
-            self._prefill = (meta.block_tables[nd:, :num_blocks], mask, max_q, gather)
+            self._prefill = (meta.block_tables[nd:, :num_blocks].long(), mask, max_q, gather)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self._meta
@@ -125,8 +125,10 @@ class TorchAttentionBackend:
         """q [B, Lq, H, D] over the blocks in ``tables`` [B, nb] -> [B, Lq, H, D]."""
         b, lq, h, d = q.shape
         hkv, g = self.num_kv_heads, self.group
-        keys = k_cache[tables].view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache[tables].view(b, -1, hkv, d).transpose(1, 2)
+        # int64 index_select: advanced indexing with int32 indices takes a slow path on the CPU.
+        flat_tables = tables.reshape(-1)
+        keys = k_cache.index_select(0, flat_tables).view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_cache.index_select(0, flat_tables).view(b, -1, hkv, d).transpose(1, 2)
         qg = q.view(b, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, d)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
         return o.view(b, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, h, d)

@@ -11,6 +11,7 @@ import logging
 import time
 from collections import deque
 
+from chatapp.engine.api import EngineBusyError
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_runner import ModelRunner
@@ -18,7 +19,7 @@ from chatapp.engine.models.config import ModelConfig, load_model_config
 from chatapp.engine.outputs import EngineCoreOutput
 from chatapp.engine.request import Request, RequestStatus
 from chatapp.engine.sampling_params import SamplingParams
-from chatapp.engine.scheduler import Scheduler
+from chatapp.engine.scheduler import ScheduledBatch, Scheduler
 from chatapp.store import ResolvedModel, resolve_model
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,35 @@ class EngineCore:
         self.generation_tokens_total += len(result.sampled_requests)
         self._recent.append((time.monotonic(), len(result.sampled_requests), time.perf_counter() - step_start))
         return outputs
+
+    # -- embeddings -----------------------------------------------------------
+
+    def embed(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised final hidden states of each prompt.
+
+        Runs between generation steps on borrowed KV blocks that are freed
+        (and never cached) right after. Raises EngineBusyError when the pool
+        cannot lend enough blocks now, ValueError for an invalid prompt.
+        """
+        import torch
+
+        vectors = []
+        for i, ids in enumerate(prompts):
+            error = self._validate(f"embedding-{i}", ids, SamplingParams(max_tokens=1))
+            if error is not None:
+                raise ValueError(error)
+            req = Request(f"\0embed-{i}", ids, SamplingParams(max_tokens=1), frozenset(),
+                          self.config.block_size, self.config.max_model_len)
+            if not self.kv.allocate_slots(req, len(ids)):
+                raise EngineBusyError("the KV cache is full right now; retry the embedding request shortly")
+            try:
+                batch = ScheduledBatch([req], [len(ids)])
+                hidden = self.runner.hidden_states(batch, {req.request_id: self.kv.block_ids(req.request_id)})[0]
+            finally:
+                self.kv.free(req.request_id)
+            pooled = torch.nn.functional.normalize(hidden.float().mean(dim=0), dim=0)
+            vectors.append(pooled.tolist())
+        return vectors
 
     # -- introspection ------------------------------------------------------
 

@@ -121,6 +121,31 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> StepResult:
         """Run one forward over the batch and sample where a request reached its end."""
+        step = self._prepare(batch, block_ids)
+        start = time.perf_counter()
+        hidden = self._forward(step)
+        if not step.sample_rows:
+            return StepResult([], SamplerOutput([], []), time.perf_counter() - start)
+        sampled_reqs = [step.requests[i] for i in step.sample_rows]
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        forward_seconds = time.perf_counter() - start
+        return StepResult(sampled_reqs, self.sampler(logits, sampled_reqs), forward_seconds)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> list[torch.Tensor]:
+        """Final hidden states of each request's new tokens (for embeddings), in batch order."""
+        step = self._prepare(batch, block_ids)
+        hidden = self._forward(step)
+        starts = step.meta.query_start_loc.tolist()
+        by_request = {r.request_id: hidden[starts[i] : starts[i + 1]] for i, r in enumerate(step.requests)}
+        return [by_request[r.request_id] for r in batch.requests]
+
+    def _forward(self, step: "_PreparedStep") -> torch.Tensor:
+        self.attn.begin_step(step.meta)
+        return self.model(step.input_ids, step.positions, self.attn)
+
+    def _prepare(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> "_PreparedStep":
+        """Flatten the batch: token ids, positions, cache slots and block tables."""
         bs = self.block_size
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
         reqs = [batch.requests[i] for i in order]
@@ -143,9 +168,7 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(len(reqs)), q_lens_np)
         positions = np.arange(len(tokens), dtype=np.int64) - query_start[req_of_token] + np.repeat(starts, q_lens_np)
         slots = table_np[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-
         sample_rows = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens]
-        logits_indices = query_start[1:][sample_rows] - 1
 
         dev = self.device
         meta = AttentionMetadata(
@@ -159,13 +182,21 @@ class ModelRunner:
             max_query_len=max(q_lens),
             max_seq_len=max(seq_lens),
         )
-        start = time.perf_counter()
-        self.attn.begin_step(meta)
-        hidden = self.model(torch.tensor(tokens, dtype=torch.long, device=dev),
-                            torch.from_numpy(positions).to(dev), self.attn)
-        sampled_reqs = [reqs[i] for i in sample_rows]
-        if not sampled_reqs:
-            return StepResult([], SamplerOutput([], []), time.perf_counter() - start)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
-        forward_seconds = time.perf_counter() - start
-        return StepResult(sampled_reqs, self.sampler(logits, sampled_reqs), forward_seconds)
+        return _PreparedStep(
+            requests=reqs,
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            sample_rows=sample_rows,
+            logits_indices=torch.from_numpy(query_start[1:][sample_rows] - 1).to(dev),
+        )
+
+
+@dataclass
+class _PreparedStep:
+    requests: list[Request]  # in flattened-batch order (decodes first)
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]
+    logits_indices: torch.Tensor

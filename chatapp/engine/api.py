@@ -1,0 +1,99 @@
+"""The contract between the engine and its clients (the TUI and the HTTP server).
+
+``AsyncEngineClient`` (chatapp/engine/client.py) implements :class:`EngineClient`
+over IPC to the one background engine process; tests and tools may provide
+other implementations. Clients tokenize prompts and detokenize outputs
+themselves (see chatapp/engine/tokenizer.py and output_processor.py), so the
+engine loop handles token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from chatapp.engine.output_processor import OutputDelta
+from chatapp.engine.sampling_params import SamplingParams
+from chatapp.engine.tokenizer import Tokenizer
+
+
+class EngineError(RuntimeError):
+    """Base of the errors a client raises about the engine itself."""
+
+
+class EngineDeadError(EngineError):
+    """The engine process died (or cannot be reached); pending requests are lost. Restart to go on."""
+
+
+class EngineBusyError(EngineError):
+    """The engine cannot take this work right now (loading, restarting, KV cache full); retry later."""
+
+
+class InvalidRequestError(ValueError):
+    """The request can never run as given (too long for the context, empty, bad token ids).
+
+    ``param`` names the offending field where there is one, for the HTTP server's error shape.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # the id clients show and the server reports
+    path: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    device: str
+    dtype: str
+    attention_backend: str
+    quantization: str | None
+    block_size: int
+    num_kv_blocks: int
+    load_seconds: float
+
+
+class EngineClient(Protocol):
+    """What the TUI and the HTTP server may rely on."""
+
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[OutputDelta]:
+        """Stream one request's incremental outputs; exactly one of ``prompt``/``messages``.
+
+        Raises InvalidRequestError before the first item for a request that can
+        never run, EngineDeadError if the engine dies. Each item carries the new
+        text and token ids; the last has ``finished=True``, a finish_reason
+        ("stop", "length", "abort" or "error") and the usage counts. Closing the
+        iterator early (``aclose()``, or a task cancelled while reading) aborts
+        the request in the engine.
+        """
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort"."""
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's counters: num_running, num_waiting, kv_blocks_used/free/total,
+        prefix_cache_hit_rate (and queries/hits), num_preemptions, prompt/generation token
+        totals, generation_tokens_per_second of recent steps."""
+
+    async def embed(self, inputs: list[str | list[int]]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised final hidden states of each input."""
+
+    async def switch_model(self, model: str | None) -> ModelInfo:
+        """Reload the engine with another model; running requests end with finish_reason "error"."""
+
+    async def close(self) -> None:
+        """Detach; an engine this client started and nobody else uses is shut down."""

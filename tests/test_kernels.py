@@ -1,0 +1,290 @@
+"""Triton kernels against plain torch references, run by Triton's interpreter on the CPU.
+
+Importing ``chatapp.kernels`` without a GPU turns on ``TRITON_INTERPRET``, so
+these tests need no GPU. Shapes are small because the interpreter is slow;
+they still cover mixed decode/prefill batches, cached prefixes, partly filled
+last blocks, shuffled block tables, GQA and every supported dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend
+from chatapp.engine.attention_triton import TritonAttentionBackend
+from chatapp.kernels import paged_attention, plan_tiles, store_kv
+
+# (query_len, seq_len) per request, decodes first as the model runner orders them:
+# four decodes (one ending exactly on a block boundary for block sizes <= 64, one
+# long enough to span several key tiles), a prefill with no cached context, and
+# two chunks whose earlier tokens are cached (one with an unaligned, one with a
+# block-aligned cached prefix).
+MIXED = [(1, 37), (1, 5), (1, 64), (1, 150), (20, 20), (13, 50), (24, 56)]
+
+TOLERANCE = {  # (atol, rtol): fp32 is exact up to summation order; half types round p and the output
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+@dataclass
+class Batch:
+    """One step's worth of attention inputs over a randomly filled, shuffled paged cache."""
+
+    q: torch.Tensor  # [T, H, D]
+    k: torch.Tensor  # [T, Hkv, D]: the step's new keys
+    v: torch.Tensor
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]: random everywhere, as a used pool is
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    group: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+
+def make_batch(requests: list[tuple[int, int]], *, block_size: int, num_kv_heads: int, group: int,
+               head_dim: int, dtype: torch.dtype, seed: int = 0) -> Batch:
+    """``seed`` picks the values; the block layout depends only on the requests and block size."""
+    layout = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-seq_len // block_size) for _, seq_len in requests]
+    num_blocks = sum(blocks_per_req) + 3  # spare blocks full of junk that must never be read
+    free = torch.randperm(num_blocks, generator=layout).tolist()
+    block_tables = torch.zeros(len(requests), max(blocks_per_req) + 1, dtype=torch.int32)  # padded with 0
+    slots: list[int] = []
+    for b, ((q_len, seq_len), n) in enumerate(zip(requests, blocks_per_req)):
+        ids = [free.pop() for _ in range(n)]
+        block_tables[b, :n] = torch.tensor(ids, dtype=torch.int32)
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(seq_len - q_len, seq_len)]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    query_lens = [q for q, _ in requests]
+    seq_lens = [s for _, s in requests]
+    num_tokens = sum(query_lens)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    kv = randn(num_tokens, 2, num_kv_heads, head_dim)  # k and v as strided views, as a fused projection gives
+    num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    # Scaled queries make the softmax peaked, so a wrong mask or position shows.
+    q = 2 * randn(num_tokens, num_kv_heads * group, head_dim)
+    return Batch(q, kv[:, 0], kv[:, 1], randn(*cache_shape), randn(*cache_shape), meta, group)
+
+
+def naive_store(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Caches with the step's keys and values written slot by slot."""
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(batch.meta.slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = batch.k[t]
+            v_cache[slot // block_size, slot % block_size] = batch.v[t]
+    return k_cache, v_cache
+
+
+def naive_attention(batch: Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """Causal GQA attention one request at a time, in fp32, gathering keys block by block."""
+    meta = batch.meta
+    block_size = k_cache.shape[1]
+    outs = []
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        blocks = meta.block_tables[b, : -(-seq_len // block_size)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(batch.group, dim=1)  # [S, H, D]
+        values = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(batch.group, dim=1)
+        q = batch.q[start:start + q_len].float()  # [Q, H, D]
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * batch.head_dim**-0.5
+        q_pos = torch.arange(seq_len - q_len, seq_len)
+        visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [Q, S]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, values))
+        start += q_len
+    return torch.cat(outs)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert expected.float().abs().mean() > 0.1, "reference output is near zero: the comparison would prove nothing"
+    atol, rtol = TOLERANCE[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# --- store KV -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dtype", "block_size", "num_kv_heads", "head_dim"), [
+    (torch.float32, 16, 2, 64),
+    (torch.float16, 8, 3, 128),
+    (torch.bfloat16, 128, 1, 64),
+])
+def test_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype, block_size: int, num_kv_heads: int,
+                                                 head_dim: int) -> None:
+    batch = make_batch(MIXED, block_size=block_size, num_kv_heads=num_kv_heads, group=1,
+                       head_dim=head_dim, dtype=dtype)
+    batch.meta.slot_mapping[::4] = -1  # padded tokens: their k/v must land nowhere
+    expected_k, expected_v = naive_store(batch)
+    assert not torch.equal(expected_k, batch.k_cache), "the step must change the cache"
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+
+    store_kv(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
+
+    # Bitwise equality: written slots hold the new rows, every other entry is untouched.
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+# --- paged attention kernel against the naive reference -----------------------------------------
+
+
+@pytest.mark.parametrize(("block_size", "head_dim", "group", "dtype", "tiles"), [
+    (16, 64, 1, torch.float32, "engine"),
+    (16, 128, 3, torch.float16, "engine"),
+    (32, 64, 3, torch.bfloat16, "engine"),
+    (32, 128, 1, torch.float32, "engine"),
+    (8, 64, 3, torch.float32, "engine"),
+    (128, 64, 1, torch.float16, "engine"),
+    # Small tiles: many key-loop steps per program and several query tiles per
+    # request, decodes and prefills in one launch.
+    (16, 64, 3, torch.float32, "small"),
+    (32, 128, 1, torch.bfloat16, "small"),
+])
+def test_paged_attention_matches_naive_reference(block_size: int, head_dim: int, group: int,
+                                                 dtype: torch.dtype, tiles: str) -> None:
+    batch = make_batch(MIXED, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    k_cache, v_cache = naive_store(batch)
+    meta = batch.meta
+    lens, nd, nr = meta.query_lens_cpu, meta.num_decodes, meta.num_requests
+    if tiles == "engine":
+        plans = [plan_tiles(lens, range(0, nd), group, "cpu", block_m=16, tile_n=64),
+                 plan_tiles(lens, range(nd, nr), group, "cpu", block_m=64, tile_n=64)]
+    else:
+        plans = [plan_tiles(lens, range(nr), group, "cpu", block_m=16, tile_n=16)]
+    out = torch.full_like(batch.q, float("nan"))  # every row must be written
+
+    for plan in plans:
+        paged_attention(batch.q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                        plan, head_dim**-0.5)
+
+    assert_close(out, naive_attention(batch, k_cache, v_cache))
+
+
+# --- the backend against the torch backend ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("requests", "block_size", "head_dim", "group", "dtype"), [
+    (MIXED, 16, 64, 3, torch.float32),
+    (MIXED, 32, 128, 1, torch.bfloat16),
+    (MIXED, 8, 64, 1, torch.float16),
+    (MIXED, 128, 128, 3, torch.float32),
+    ([(1, 9), (1, 33), (1, 16)], 16, 64, 3, torch.float16),  # decodes only
+    ([(7, 7), (30, 45)], 32, 64, 1, torch.float32),  # prefill chunks only
+])
+def test_backend_matches_torch_backend(requests: list[tuple[int, int]], block_size: int, head_dim: int,
+                                       group: int, dtype: torch.dtype) -> None:
+    """Two layers through begin_step/forward: same outputs and same caches as TorchAttentionBackend."""
+    layers = [make_batch(requests, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim,
+                         dtype=dtype, seed=seed) for seed in (1, 2)]
+    meta = layers[0].meta  # the same for both: the seed changes values, not the layout
+    num_heads = 2 * group
+
+    def caches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(b.k_cache.clone(), b.v_cache.clone()) for b in layers]
+
+    torch_backend = TorchAttentionBackend(caches(), num_heads, head_dim)
+    triton_backend = TritonAttentionBackend(caches(), num_heads, head_dim)
+    torch_backend.begin_step(meta)
+    triton_backend.begin_step(meta)
+    for layer, b in enumerate(layers):
+        expected = torch_backend.forward(layer, b.q, b.k, b.v)
+        actual = triton_backend.forward(layer, b.q, b.k, b.v)
+        assert_close(actual, expected)
+        assert_close(actual, naive_attention(b, *naive_store(b)))
+    for (k_t, v_t), (k_r, v_r) in zip(torch_backend.kv_caches, triton_backend.kv_caches):
+        assert torch.equal(k_t, k_r) and torch.equal(v_t, v_r)
+
+
+# --- host-side planning and interpreter mode -----------------------------------------------------
+
+
+def test_plan_tiles_cuts_each_request_into_block_q_tokens() -> None:
+    # Group 3 pads to 4 rows per token, so 16 rows hold 4 tokens.
+    plan = plan_tiles([1, 9, 4], range(1, 3), 3, "cpu", block_m=16, tile_n=32)
+    assert plan is not None and plan.block_q == 4
+    assert plan.tile_req.tolist() == [1, 1, 1, 2]
+    assert plan.tile_q0.tolist() == [0, 4, 8, 0]
+    # A group wider than block_m still gets one whole token per tile.
+    assert plan_tiles([2], range(1), 32, "cpu", block_m=16, tile_n=16).block_m == 32
+    assert plan_tiles([1, 1], range(2, 2), 1, "cpu", block_m=16, tile_n=16) is None
+    with pytest.raises(ValueError):
+        plan_tiles([1], range(1), 1, "cpu", block_m=24, tile_n=16)
+
+
+def test_import_without_gpu_turns_on_the_interpreter() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # hide any GPU so the check holds on every machine
+    code = (
+        "import os, chatapp.kernels.attention as pa\n"
+        "from triton.runtime.interpreter import InterpretedFunction\n"
+        "print(os.environ.get('TRITON_INTERPRET'), isinstance(pa._paged_attention_kernel, InterpretedFunction))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "True"]
+
+
+# --- end to end: the engine with the Triton backend generates what the torch backend does ---------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_d64(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random Llama with the head_dim real models use and a GQA group of 3."""
+    from tests.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-d64"), hidden_size=96, num_heads=6,
+                           num_kv_heads=2, head_dim=64)
+
+
+def _generate(model_dir, backend: str) -> tuple[list[list[int]], list[int], int]:
+    """Greedy outputs of a mixed batch, then of a prompt that hits the prefix cache."""
+    from chatapp.engine import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 40000, (n,), generator=gen).tolist() for n in (5, 23, 47, 70)]
+    again = prompts[3][:48] + torch.randint(3, 40000, (10,), generator=gen).tolist()
+    # A 32-token step budget cuts the longer prompts into chunks that run beside other requests' decodes.
+    llm = LLM(model=str(model_dir), device="cpu", attention_backend=backend, block_size=16,
+              num_kv_blocks=64, max_num_batched_tokens=32, long_prefill_token_threshold=32)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batch = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    [cached] = llm.generate([again], params)
+    return batch + [cached.outputs[0].token_ids], [len(ids) for ids in batch], cached.num_cached_tokens
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_llama_d64"])
+def test_engine_generates_the_same_tokens_with_both_backends(model: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(model)
+    expected, lengths, cached = _generate(model_dir, "torch")
+    actual, _, cached_triton = _generate(model_dir, "triton")
+    assert lengths == [12] * 4
+    assert len({tuple(ids) for ids in expected}) > 1, "a constant model would agree with any attention"
+    assert cached > 0 and cached_triton == cached, "the last prompt must reuse cached prefix blocks"
+    assert actual == expected
