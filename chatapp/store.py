@@ -83,7 +83,7 @@ def resolve_model(spec: str | None, *, remember: bool = False) -> ResolvedModel:
         return resolved
     if _looks_like_repo_id(spec):
         return _resolve_cached_repo(spec)
-    raise ModelNotFoundError(f"no model named {spec!r}: not a path, and not a Hugging Face repo id "
+    raise ModelNotFoundError(f"no local model named {spec!r}: not a path, and not a Hugging Face repo id "
                              "(owner/name); see `chatapp models list`")
 
 
@@ -106,7 +106,7 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
     repo_id, _, filename = spec.partition(":")
     snapshot = hf_cache_snapshot(repo_id)
     if snapshot is None:
-        raise ModelNotFoundError(f"no model {spec!r}: no such file or directory, and {repo_id} is not in the "
+        raise ModelNotFoundError(f"no local model named {spec!r}: no such file or directory, and {repo_id} is not in the "
                                  f"Hugging Face cache; download it with `chatapp models pull {spec}`")
     ggufs = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf"))
     if filename:
@@ -376,7 +376,7 @@ def find_model(name: str) -> LocalModel:
         for model in models:
             if model.source in ("directory", "gguf") and model.path in (target, target.resolve()):
                 return model
-    raise ModelNotFoundError(f"no model named {name!r}; see `chatapp models list`")
+    raise ModelNotFoundError(f"no local model named {name!r}; see `chatapp models list`")
 
 
 # --- removal ----------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ def test_unknown_names_say_what_to_do(home: Path, spec: str, message: str) -> No
         store.resolve_model(spec)
     assert message in str(err.value)
     code, _, stderr = run_cli("models", "info", spec)
-    assert code == 1 and stderr.startswith("error: no model named") and stderr.count("\n") == 1
+    assert code == 1 and stderr.startswith("error: no local model named") and stderr.count("\n") == 1
 
 
 # --- facts and memory ----------------------------------------------------------------------
