@@ -559,7 +559,8 @@ class AsyncEngineClient:
                 processor.drop(out.request_id)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(EngineError(f"processing the output failed: {exc}"))
+                    stream.queue.put_nowait(OutputDelta(out.request_id, "", [], None, True, "error", None, 0, 0,
+                                                        0, error=f"processing the output failed: {exc}"))
                 if out.finish_reason is None:
                     to_abort.append(out.request_id)
                 continue
@@ -625,8 +626,8 @@ class AsyncEngineClient:
                 remaining = (await asyncio.wait_for(asyncio.shield(self._bye), BYE_TIMEOUT_S)).remaining_clients
         self._fail_pending(EngineDeadError("this engine client was closed"))
         await self._teardown()
-        if self._popen is not None and remaining == 0:
-            await self._reap(self._popen)
+        if self._popen is not None and (remaining == 0 or self.state == "dead"):
+            await self._reap(self._popen)  # it is leaving (or gone): collect it so no zombie stays
         self._popen = None
 
     async def _teardown(self) -> None:
