@@ -93,10 +93,12 @@ def idle(stats: dict[str, Any]) -> bool:
     return stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
 
 
-async def start_script(job: dict[str, Any]) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
+async def start_script(job: dict[str, Any], runtime: Path | None = None
+                       ) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
+    env = {**os.environ, "CHATAPP_RUNTIME_DIR": str(runtime)} if runtime is not None else None
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(SCRIPT), json.dumps(job),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 60)
@@ -465,3 +467,28 @@ async def test_a_model_that_cannot_load_fails_start_clearly(tmp_path_factory: py
         await c.start()
     assert err.value.param == "model" and c.state == "dead"
     await c.close()
+
+
+async def test_engine_outlives_the_process_that_spawned_it(tiny_model: Path,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    runtime = tmp_path_factory.mktemp("rt-life")
+    spawner, hello = await start_script({"mode": "exit", "config": engine_config(tiny_model)}, runtime)
+    assert hello["spawned"]
+    c = await AsyncEngineClient.connect(EngineConfig(**engine_config(tiny_model)), runtime_dir=runtime)
+    assert c.engine_pid == hello["attached"] and not c.spawned_engine
+    try:
+        assert spawner.stdin is not None
+        spawner.stdin.write(b"exit\n")
+        assert await asyncio.wait_for(spawner.wait(), 30) == 0
+        stats = await wait_for_stats(c, lambda s: s["num_clients"] == 1, within=ipc.CLIENT_TIMEOUT_S + 2)
+        assert stats["num_clients"] == 1 and stats["engine_pid"] == c.engine_pid
+        deltas = await collect(c.generate("Still here", SamplingParams(temperature=0, max_tokens=4)))
+        assert deltas[-1].finish_reason == "length" and c.state == "ready"
+        record = ipc.read_record(runtime)
+        assert record is not None and record.pid == c.engine_pid
+    finally:
+        await c.close()
+    deadline = time.monotonic() + 10
+    while record.process() is not None and time.monotonic() < deadline:  # the last client left: it exits
+        await asyncio.sleep(0.05)
+    assert record.process() is None and ipc.read_record(runtime) is None

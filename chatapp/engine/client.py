@@ -161,18 +161,25 @@ class AsyncEngineClient:
             return
         self._death = None
         self._set_state("starting", "looking for a running engine")
-        for attempt in range(2):
-            try:
-                await self._attach()
-                break
-            except _EngineLeft:
-                # It exited between our reading its record and its answer; the next try spawns anew.
-                await self._teardown()
-                self._set_state("starting", "the engine left; trying again")
-                if attempt == 1:
-                    raise EngineDeadError("the engine exited while this client was attaching; retry") from None
-        while self.state not in ("ready", "dead", "closed"):
-            await self._wait_state_change()
+        try:
+            for attempt in range(2):
+                try:
+                    await self._attach()
+                    break
+                except _EngineLeft:
+                    # It exited between our reading its record and its answer; the next try spawns anew.
+                    await self._teardown()
+                    self._set_state("starting", "the engine left; trying again")
+                    if attempt == 1:
+                        raise EngineDeadError("the engine exited while this client was attaching; retry") from None
+            while self.state not in ("ready", "dead", "closed"):
+                await self._wait_state_change()
+        except BaseException as exc:  # incl. cancellation: never stay half-attached
+            await self._detach()
+            if self.state not in ("dead", "closed"):
+                self._death = exc if isinstance(exc, EngineError) else EngineDeadError(f"start failed: {exc}")
+                self._set_state("dead", str(exc))
+            raise
         if self.state != "ready":
             raise self._death or EngineDeadError("the engine client was closed while starting")
 
@@ -438,6 +445,7 @@ class AsyncEngineClient:
         """Start the engine process and wait until it has bound its socket and written its record."""
         self._set_state("starting", "starting the engine process")
         log_path = runtime / ipc.LOG_FILE
+        _rotate(log_path)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self._popen = subprocess.Popen(
@@ -676,6 +684,13 @@ def _alive(proc: psutil.Process, popen: subprocess.Popen[bytes] | None) -> bool:
 def _log_send_failure(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("sending to the engine failed: %s", future.exception())
+
+
+def _rotate(log_path: Path, max_bytes: int = 5 * 2**20) -> None:
+    """Keep one previous engine log; called under the discovery lock, with no engine running."""
+    with contextlib.suppress(OSError):
+        if log_path.stat().st_size > max_bytes:
+            log_path.replace(log_path.with_name(log_path.name + ".1"))
 
 
 def _tail(path: Path, lines: int = 20) -> str:
