@@ -446,8 +446,13 @@ async def test_switch_model_reaches_every_client(tiny_model: Path, tiny_llama: P
         assert info.name == tiny_llama.name and info.max_model_len == 2048
         rest = await collect(running)
         assert rest[-1].finish_reason == "error" and "switching" in (rest[-1].error or "")
-        assert second.model_info == info == first.model_info
-        assert second.state == "ready" and [s for s, _ in states].count("loading") >= 1
+        assert first.model_info == info  # the caller has the new tokenizer when switch_model returns
+        deadline = time.monotonic() + 10  # the other client follows as soon as it has read the broadcast
+        while second.model_info != info and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert second.model_info == info and second.state == "ready"
+        assert second.tokenizer is not None and second.tokenizer is not first.tokenizer
+        assert [s for s, _ in states].count("loading") >= 1
         llm = LLM(str(tiny_llama), num_kv_blocks=1024, max_num_seqs=32)
         expected = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
         deltas = await collect(second.generate("Hello", SamplingParams(temperature=0, max_tokens=8)))
@@ -466,7 +471,8 @@ async def test_a_model_that_cannot_load_fails_start_clearly(tmp_path_factory: py
     with pytest.raises(InvalidRequestError, match="missing-model") as err:
         await c.start()
     assert err.value.param == "model" and c.state == "dead"
-    await c.close()
+    await c.close()  # reaps the engine, which left once it had told its spawner why
+    assert c.spawned_engine and ipc.read_record(runtime) is None
 
 
 async def test_engine_outlives_the_process_that_spawned_it(tiny_model: Path,

@@ -79,6 +79,8 @@ HELLO_TIMEOUT_S = 15.0
 """A live engine answers a hello within milliseconds (it loads models on a helper thread)."""
 WATCH_INTERVAL_S = 0.1
 """How often the engine's pid is checked: bounds how late a death is noticed."""
+DEATH_GRACE_S = 0.25
+"""After the pid is gone, how long the engine's last messages may still be read before "dead"."""
 BYE_TIMEOUT_S = 2.0
 ENGINE_EXIT_WAIT_S = 10.0
 
@@ -118,8 +120,8 @@ class AsyncEngineClient:
         self._runtime_arg = Path(runtime_dir) if runtime_dir is not None else None
         self.state: State = "starting"
         self.state_detail = ""
-        self.model_info: ModelInfo | None = None  # type: ignore[assignment]  # set once ready
-        self.tokenizer: Tokenizer | None = None  # type: ignore[assignment]
+        self.model_info: ModelInfo | None = None  # set once ready (and again after a model switch)
+        self.tokenizer: Tokenizer | None = None  # the model's tokenizer, loaded here from model_info.path
         self.engine_pid: int | None = None
         self.spawned_engine = False  # whether this client started the engine it is attached to
         self.model_mismatch: str | None = None  # set when attached to an engine serving another model
@@ -127,7 +129,7 @@ class AsyncEngineClient:
         self._listeners: list[StateListener] = []
         self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
         self._changed = asyncio.Event()
-        self._death: EngineError | None = None
+        self._death: EngineError | InvalidRequestError | None = None  # what streams and calls raise now
         self._processor: OutputProcessor | None = None
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -537,15 +539,16 @@ class AsyncEngineClient:
                     if future is not None and not future.done():
                         future.set_result(msg)
                 case ipc.StateUpdate(state="failed"):
-                    error: EngineError = (InvalidRequestError(msg.detail, "model") if msg.error_kind == "invalid"
-                                          else EngineDeadError(msg.detail))  # type: ignore[assignment]
-                    self._die(error)
+                    self._die_failed(msg.detail, msg.error_kind)
                     return
                 case ipc.StateUpdate():
                     await self._apply_engine_state(msg.state, msg.detail, msg.info)
                 case ipc.Welcome():
                     if self._welcome is not None and not self._welcome.done():
                         self._welcome.set_result(msg)
+                    if msg.state == "failed":
+                        self._die_failed(msg.detail, msg.error_kind)
+                        return
                     await self._apply_engine_state(msg.state, msg.detail, msg.info)
                 case ipc.ByeAck():
                     if self._bye is not None and not self._bye.done():
@@ -553,6 +556,11 @@ class AsyncEngineClient:
                 case ipc.ShuttingDown():
                     self._die(EngineDeadError(f"the engine shut down: {msg.reason}"))
                     return
+
+    def _die_failed(self, detail: str, error_kind: str | None) -> None:
+        """The engine could not load its model and exits: a bad model spec is the caller's error."""
+        error = InvalidRequestError(detail, "model") if error_kind == "invalid" else EngineDeadError(detail)
+        self._die(error)
 
     def _on_outputs(self, msg: ipc.Outputs) -> None:
         processor = self._processor
@@ -585,6 +593,9 @@ class AsyncEngineClient:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             if self._engine_proc is not None and not _alive(self._engine_proc, self._popen):
+                # Let the receiver read what the engine said last (why it failed to load, "shutting
+                # down"): that explains the death better than the bare pid does.
+                await asyncio.sleep(DEATH_GRACE_S)
                 code = self._popen.returncode if self._popen is not None else None
                 how = f" (exit code {code})" if code is not None else ""
                 self._die(EngineDeadError(f"the engine process (pid {self._engine_proc.pid}) died{how}; "
@@ -598,7 +609,7 @@ class AsyncEngineClient:
 
     # -- death and teardown --------------------------------------------------------------
 
-    def _die(self, error: EngineError) -> None:
+    def _die(self, error: EngineError | InvalidRequestError) -> None:
         """Fail every stream and call at once, drop the connection, and go to "dead"."""
         if self.state in ("dead", "closed"):
             return
@@ -610,7 +621,7 @@ class AsyncEngineClient:
         self._close_socket()
         self._set_state("dead", str(error))
 
-    def _fail_pending(self, error: BaseException) -> None:
+    def _fail_pending(self, error: Exception) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
         if self._processor is not None:
