@@ -47,13 +47,17 @@ def test_int8_engine_answers_sensibly(pair: tuple[LLM, LLM]) -> None:
     assert int8.core.runner.model.int8_lm_head is not None
 
 
-def test_int8_answers_do_not_depend_on_what_shares_the_batch(pair: tuple[LLM, LLM]) -> None:
-    _, int8 = pair
+def test_answers_do_not_depend_on_batch_or_chunking(pair: tuple[LLM, LLM]) -> None:
+    """Greedy answers are the same alone, together, and with prompts cut into tiny chunks."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = ["The history of Rome", "def quicksort(arr):", "My favourite food is", "1 2 3 4"]
-    alone = [int8.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-    together = [o.outputs[0].token_ids for o in int8.generate(prompts, params)]
-    assert together == alone
+    prompts = ["The history of Rome", "def quicksort(arr):", "My favourite food is", "1 2 3 4",
+               "A long time ago in a galaxy far, far away there was"]
+    for llm in pair:
+        alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert together == alone
+    chunked = LLM(quantization="int8", kv_cache_memory_gib=0.05, max_num_batched_tokens=3)
+    assert [o.outputs[0].token_ids for o in chunked.generate(prompts, params)] == alone
 
 
 def test_int8_linear_rows_are_bitwise_batch_invariant() -> None:

@@ -46,12 +46,14 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Vectorised attention with torch ops: one call for all decodes, one SDPA for all prefills.
+    """Attention for the CPU with one call per layer for the whole batch.
 
-    Decodes use our C++ paged-attention kernel when it is available (float32
-    caches), which reads keys and values in place; otherwise, and for prefill
-    chunks, the requests' blocks are gathered and SDPA runs with queries
-    grouped per KV head (GQA) so keys and values are never repeated.
+    With our C++ kernel (float32 caches, the usual case) every query row, decode
+    or prefill chunk, reads its keys and values in place, with arithmetic that
+    does not depend on what shares the batch. Without it, the requests' blocks
+    are gathered and SDPA runs once for all decodes and once for all prefill
+    chunks, with queries grouped per KV head (GQA) so keys and values are never
+    repeated.
     """
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, head_dim: int,
@@ -71,6 +73,21 @@ class TorchAttentionBackend:
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._meta = meta
+        if self._kernels is None:
+            self._prepare_sdpa(meta)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self._meta
+        k_cache, v_cache = self.kv_caches[layer]
+        _store(k_cache, v_cache, k, v, meta.slot_mapping)
+        if self._kernels is not None:
+            return self._kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                                 meta.block_tables, self.scale)
+        return self._forward_sdpa(q, k_cache, v_cache)
+
+    # -- the pure-torch path ---------------------------------------------------
+
+    def _prepare_sdpa(self, meta: AttentionMetadata) -> None:
         device = meta.block_tables.device
         bs, g = self.block_size, self.group
         nd = meta.num_decodes
@@ -80,12 +97,9 @@ class TorchAttentionBackend:
         if nd:
             seq_lens = meta.seq_lens[:nd]
             num_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
-            if self._kernels is not None:
-                self._decode = (meta.block_tables[:nd, :num_blocks], seq_lens)
-            else:
-                keys = torch.arange(num_blocks * bs, device=device)
-                mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
-                self._decode = (meta.block_tables[:nd, :num_blocks].long(), mask)
+            keys = torch.arange(num_blocks * bs, device=device)
+            mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
+            self._decode = (meta.block_tables[:nd, :num_blocks].long(), mask)
         if nd < meta.num_requests:
             q_lens = meta.query_lens_cpu[nd:]
             s_lens = meta.seq_lens_cpu[nd:]
@@ -110,16 +124,15 @@ class TorchAttentionBackend:
                 gather = (index, ~pad_rows)
             self._prefill = (meta.block_tables[nd:, :num_blocks].long(), mask, max_q, gather)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = self._meta
-        k_cache, v_cache = self.kv_caches[layer]
-        _store(k_cache, v_cache, k, v, meta.slot_mapping)
+    def _forward_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         nd = self._num_decode_tokens
         if self._prefill is None:
-            return self._attend_decodes(q, k_cache, v_cache)
+            tables, mask = self._decode
+            return self._attend(q.unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
         out = torch.empty_like(q)
         if self._decode is not None:
-            out[:nd] = self._attend_decodes(q[:nd], k_cache, v_cache)
+            tables, mask = self._decode
+            out[:nd] = self._attend(q[:nd].unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
         tables, mask, max_q, gather = self._prefill
         qp = q[nd:]
         if gather is None:
@@ -129,14 +142,6 @@ class TorchAttentionBackend:
             padded = self._attend(qp[index], k_cache, v_cache, tables, mask)  # [Bp, max_q, H, D]
             out[nd:] = padded[valid]
         return out
-
-    def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Single-token queries q [Bd, H, D], one per request."""
-        if self._kernels is not None:
-            tables, seq_lens = self._decode
-            return self._kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, self.scale)
-        tables, mask = self._decode
-        return self._attend(q.unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,9 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+# -ffp-contract=off: no fused multiply-adds, so vectorised and scalar loops round alike
+# (the kernel's results must not depend on how rows are tiled).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
 @lru_cache(maxsize=1)
@@ -30,15 +33,16 @@ def load() -> ModuleType | None:
 
         from chatapp import paths
 
-        # Built with -march=native: key the build on the source and this machine's CPU.
+        # Built with -march=native: key the build on the source, the flags and this machine's CPU.
         cpu = platform.processor() + _cpu_flags()
-        tag = hashlib.blake2b((_SOURCE.read_text() + cpu).encode(), digest_size=6).hexdigest()
+        key = _SOURCE.read_text() + " ".join(_CFLAGS) + cpu
+        tag = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
         build_dir = paths.cache_dir() / "torch_extensions" / f"cpu_kernels_{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
         return load_extension(
             name=f"chatapp_cpu_kernels_{tag}",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

@@ -77,7 +77,8 @@ def _input_buffer(in_features: int, rows: int) -> torch.Tensor:
     """A shared [1 + rows, in_features] buffer whose row 0 is the anchor [1, -1, 0, ...]."""
     buf = _INPUT_BUFFERS.get(in_features)
     if buf is None or buf.shape[0] < rows + 1:
-        buf = torch.zeros(max(rows + 1, 2 * (buf.shape[0] if buf is not None else 64)), in_features)
+        with torch.inference_mode(False):  # a normal tensor: usable in and out of inference mode
+            buf = torch.zeros(max(rows + 1, 2 * (buf.shape[0] if buf is not None else 64)), in_features)
         buf[0, 0], buf[0, 1] = 1.0, -1.0
         _INPUT_BUFFERS[in_features] = buf
     return buf
