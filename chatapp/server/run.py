@@ -103,14 +103,17 @@ def _url(sock: socket.socket) -> tuple[str, int, str]:
 
 async def start_server(client: EngineClient | None, host: str = "127.0.0.1", port: int = 8000, *,
                        api_key: str | None = None, cors_origins: Sequence[str] = (),
-                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access_log: bool = False) -> ServerHandle:
+                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access_log: bool = False,
+                       log_exposure: bool = True) -> ServerHandle:
     """Serve the OpenAI-compatible API on ``client`` from this event loop; returns once it listens.
 
     Raises OSError if the address cannot be bound. ``client`` may be None
-    (requests get 503 until ``handle.attach(client)``).
+    (requests get 503 until ``handle.attach(client)``). A non-loopback host
+    without a key is logged as a warning unless the caller shows
+    :func:`exposure_warning` itself (``log_exposure=False``).
     """
     warning = exposure_warning(host, api_key)
-    if warning:
+    if warning and log_exposure:
         log.warning(warning)
     app = create_app(client, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes)
     sock = _bind(host, port)
