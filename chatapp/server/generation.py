@@ -201,6 +201,15 @@ class ChoiceStreams:
         return results
 
 
+async def first_delta(request: Request, streams: ChoiceStreams) -> tuple[int, OutputDelta] | None:
+    """Wait for the first delta before a stream's headers go out, so early errors are still HTTP errors."""
+    try:
+        return await until_disconnect(request, streams.next())
+    except BaseException:
+        await streams.aclose()
+        raise
+
+
 def check_finish(delta: OutputDelta) -> None:
     if delta.finish_reason == "error":
         raise EngineFailure(delta.error or "the engine failed this request")

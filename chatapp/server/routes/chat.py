@@ -91,12 +91,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                                      "total_tokens": len(prompt) + completion})
 
     try:
-        first = await gen.until_disconnect(request, streams.next())
-    except BaseException as exc:
-        await streams.aclose()
-        if isinstance(exc, Exception):
-            raise state.error(exc, "messages") from None
-        raise
+        first = await gen.first_delta(request, streams)
+    except Exception as exc:  # noqa: BLE001
+        raise state.error(exc, "messages") from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunks = _chunks(client, streams, first, request_id=request_id, created=created, model=model, n=n,
                      prompt_tokens=len(prompt), top_n=top_n if body.logprobs else None, include_usage=include_usage)

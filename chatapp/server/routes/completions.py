@@ -83,12 +83,9 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
                                  "total_tokens": prompt_tokens + completion})
 
     try:
-        first = await gen.until_disconnect(request, streams.next())
-    except BaseException as exc:
-        await streams.aclose()
-        if isinstance(exc, Exception):
-            raise state.error(exc, "prompt") from None
-        raise
+        first = await gen.first_delta(request, streams)
+    except Exception as exc:  # noqa: BLE001
+        raise state.error(exc, "prompt") from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunks = _chunks(client, streams, first, request_id=request_id, created=created, model=model,
                      prompt_tokens=prompt_tokens, top_n=top_n, include_usage=include_usage)
