@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -144,6 +145,24 @@ def test_open_webui_request_shape(served: ServedEngine, model: str) -> None:
     streamed = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, timeout=60,
                           json={"model": model, "messages": messages, "stream": True, "max_tokens": 5, **extras})
     check_chat_stream(sse_events(streamed.text), include_usage=False)
+
+
+def test_models_lists_other_local_models_after_the_loaded_one(served: ServedEngine, model: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from chatapp import store
+
+    listing = [  # the store's LocalModel shape: name, path, facts.supported
+        SimpleNamespace(name=model, path=served.client.model_info.path, facts=SimpleNamespace(supported=True)),
+        SimpleNamespace(name="org/other-model", path="/nowhere/other", facts=SimpleNamespace(supported=True)),
+        SimpleNamespace(name="org/broken", path="/nowhere/broken", facts=SimpleNamespace(supported=False)),
+    ]
+    monkeypatch.setattr(store, "list_models", lambda: listing, raising=False)
+    data = httpx.get(f"{served.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
+    assert [m["id"] for m in data] == [model, "org/other-model"]
+    assert all(m["object"] == "model" and m["owned_by"] == "chatapp" and m["created"] > 0 for m in data)
+    other = httpx.post(f"{served.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "org/other-model", "messages": [{"role": "user", "content": "hi"}]})
+    assert other.status_code == 404 and other.json()["error"]["param"] == "model"
 
 
 def test_cors_headers_only_for_named_origins(served: ServedEngine) -> None:

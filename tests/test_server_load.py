@@ -66,6 +66,22 @@ def test_32_concurrent_streams_match_solo_runs(served: ServedEngine, model: str)
     assert idle(served.wait_until(idle))
 
 
+def test_n_choices_share_the_prompt_through_the_prefix_cache(served: ServedEngine, model: str) -> None:
+    sdk = OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    prompt = "A prompt no other test uses, long enough to fill several KV blocks: " + "lorem ipsum " * 40
+    prompt_len = len(served.client.tokenizer.encode(prompt))
+    block_size = served.client.model_info.block_size
+    full_blocks = (prompt_len - 1) // block_size
+    before = served.stats()
+    out = sdk.completions.create(model=model, prompt=prompt, max_tokens=4, n=3, seed=5)
+    after = served.stats()
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == prompt_len  # counted once, as OpenAI does
+    # The two later choices found every full block of the prompt in the cache.
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * full_blocks > 0
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] < prompt_len + 2 * block_size
+
+
 def test_disconnect_mid_stream_aborts_in_the_engine(served: ServedEngine, model: str) -> None:
     before = served.stats()["generation_tokens_total"]
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": ENDLESS, "stream": True}

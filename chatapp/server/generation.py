@@ -137,24 +137,54 @@ class ChoiceResult:
 
 
 class ChoiceStreams:
-    """Reads several engine streams at once (n choices, several prompts) as one sequence of (index, delta)."""
+    """Reads several engine streams at once (n choices, several prompts) as one sequence of (index, delta).
+
+    Requests with the same prompt share its KV blocks through the prefix
+    cache, but only blocks already computed can be found there: submitted
+    together, each would compute the whole prompt itself. So the first
+    request of each distinct prompt goes first and its twins follow as soon
+    as it yields its first token (its prompt then sits in the cache).
+    """
 
     def __init__(self, client: EngineClient, prompts: list[list[int]], params: list[SamplingParams],
                  request_id: str) -> None:
+        self._client = client
+        self._prompts = prompts
+        self._params = params
+        self._request_id = request_id
         self._queue: asyncio.Queue[tuple[int, OutputDelta | None, BaseException | None]] = asyncio.Queue()
         self._open = len(prompts)
-        self._tasks = [
-            asyncio.create_task(self._pump(i, client.generate(ids, p, f"{request_id}-{i}")))
-            for i, (ids, p) in enumerate(zip(prompts, params))
-        ]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._twins: dict[int, list[int]] = {}
+        first_with: dict[tuple[int, ...], int] = {}
+        for i, ids in enumerate(prompts):
+            leader = first_with.setdefault(tuple(ids), i)
+            if leader == i:
+                self._twins[i] = []
+                self._start(i)
+            else:
+                self._twins[leader].append(i)
+
+    def _start(self, index: int) -> None:
+        if self._closed:
+            return
+        stream = self._client.generate(self._prompts[index], self._params[index], f"{self._request_id}-{index}")
+        self._tasks.append(asyncio.create_task(self._pump(index, stream)))
+
+    def _start_twins(self, index: int) -> None:
+        for twin in self._twins.pop(index, ()):
+            self._start(twin)
 
     async def _pump(self, index: int, stream: Any) -> None:
         try:
             async for delta in stream:
+                self._start_twins(index)
                 self._queue.put_nowait((index, delta, None))
         except Exception as exc:  # noqa: BLE001  handed to the reader, which maps it
             self._queue.put_nowait((index, None, exc))
         finally:
+            self._start_twins(index)  # a leader that failed early must not strand its twins
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
@@ -175,6 +205,7 @@ class ChoiceStreams:
 
     async def aclose(self) -> None:
         """Stop every stream (aborting unfinished requests); safe inside a cancelled scope."""
+        self._closed = True
         for task in self._tasks:
             task.cancel()
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
