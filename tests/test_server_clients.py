@@ -137,7 +137,8 @@ def test_open_webui_request_shape(served: ServedEngine, model: str) -> None:
     }
     messages = [{"role": "user", "content": "Hello!"}]
     whole = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, timeout=60,
-                       json={"model": model, "messages": messages, "stream": False, "max_tokens": 5, **extras})
+                       json={"model": model, "messages": messages, "stream": False, "max_tokens": 5,
+                             "top_k": 40, "min_p": 0.05, "user": "user-1", **extras})
     assert whole.status_code == 200, whole.text
     data = whole.json()
     assert data["object"] == "chat.completion" and isinstance(data["choices"][0]["message"]["content"], str)
@@ -145,6 +146,19 @@ def test_open_webui_request_shape(served: ServedEngine, model: str) -> None:
     streamed = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, timeout=60,
                           json={"model": model, "messages": messages, "stream": True, "max_tokens": 5, **extras})
     check_chat_stream(sse_events(streamed.text), include_usage=False)
+
+
+def test_developer_role_is_a_system_message(served: ServedEngine, model: str) -> None:
+    def ask(role: str) -> dict[str, Any]:
+        messages = [{"role": role, "content": SYSTEM}, {"role": "user", "content": "Hi"}]
+        response = httpx.post(f"{served.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                              json={"model": model, "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    developer, system = ask("developer"), ask("system")
+    assert developer["usage"] == system["usage"]
+    assert developer["choices"][0]["message"] == system["choices"][0]["message"]
 
 
 def test_models_lists_other_local_models_after_the_loaded_one(served: ServedEngine, model: str,

@@ -284,6 +284,8 @@ def test_embeddings_float_and_base64(served: ServedEngine, sdk: OpenAI, model: s
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"temperature": "hot"}, "temperature"),  # a pydantic error: 400, not FastAPI's 422
+    ({"seed": 2**70}, "seed"),
+    ({"stop": ["x"] * 300}, "stop"),
 ])
 def test_invalid_parameters_are_400_naming_the_field(sdk: OpenAI, model: str, extra: dict[str, Any],
                                                      param: str) -> None:
@@ -310,6 +312,9 @@ def test_missing_field_and_bad_json_are_400(served: ServedEngine) -> None:
     broken = raw(served, "POST", "/v1/chat/completions", content=b'{"messages": [',
                  headers={"Content-Type": "application/json"})
     assert broken.status_code == 400 and "JSON" in assert_error_shape(broken.json())["message"]
+    nan = raw(served, "POST", "/v1/chat/completions",
+              content=b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}')
+    assert nan.status_code == 400 and assert_error_shape(nan.json())["param"] == "temperature"
 
 
 def test_prompt_too_long_gets_the_context_length_message(served: ServedEngine, sdk: OpenAI, model: str,

@@ -99,6 +99,8 @@ def parse_logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int,
 def sampling_params(body: _SamplingFields, *, n: int, vocab_size: int, max_tokens: int | None,
                     logprobs: int | None, renames: dict[str, str] | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ."""
+    if body.seed is not None and not -(2**63) <= body.seed <= 2**63 - n:  # the engine's generators take int64
+        raise bad_request(f"seed must fit in a signed 64-bit integer, got {body.seed}", "seed")
     stop = body.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
