@@ -103,15 +103,17 @@ def sampling_error(exc: ValueError, renames: dict[str, str]) -> APIError:
     return bad_request(message, param)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     """("body", "messages", 0, "content") -> "messages[0].content"."""
-    parts = [p for p in loc if p != "body"]
     out = ""
-    for part in parts:
+    for part in loc[1:] if loc[:1] == ("body",) else loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not isinstance(part, str) or part.startswith(("function-", "list[", "str", "int", "float", "dict[")):
-            continue  # pydantic's names of union members add nothing for the client
+        elif not isinstance(part, str) or part in _UNION_TAGS or "[" in part or part.startswith("function-"):
+            continue  # pydantic's names of union members ("str", "list[int]") add nothing for the client
         else:
             out += f".{part}" if out else part
     return out or None

@@ -64,7 +64,7 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
 def check_context(ids: Sequence[int], max_model_len: int, max_tokens: int | None, param: str) -> None:
     """A prompt must leave room for at least one new token; a long max_tokens is cut at the context's end."""
     if not ids:
-        raise bad_request("the prompt is empty", param)
+        raise bad_request(f"{param} is empty", param)
     if len(ids) >= max_model_len:
         raise APIError(400, context_length_error(max_model_len, len(ids), max_tokens), param=param,
                        code="context_length_exceeded")

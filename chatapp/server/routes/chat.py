@@ -45,6 +45,9 @@ def _check_supported(body: ChatCompletionRequest) -> None:
                 kind = part.get("type")
                 if kind in _UNSUPPORTED_PARTS:
                     raise unsupported(f"messages[{i}].content[{j}]", f"{_UNSUPPORTED_PARTS[kind]} ({kind!r} parts)")
+                if kind == "text" and not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}].content[{j}].text must be a string",
+                                      f"messages[{i}].content[{j}].text")
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion,
