@@ -25,7 +25,7 @@ from chatapp.engine.output_processor import OutputDelta
 from chatapp.engine.outputs import TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.server.errors import APIError, ClientGone, EngineFailure, bad_request, sampling_error
-from chatapp.server.schemas import _SamplingFields
+from chatapp.server.schemas import SamplingFields
 
 T = TypeVar("T")
 
@@ -96,7 +96,7 @@ def parse_logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int,
     return out
 
 
-def sampling_params(body: _SamplingFields, *, n: int, vocab_size: int, max_tokens: int | None,
+def sampling_params(body: SamplingFields, *, n: int, vocab_size: int, max_tokens: int | None,
                     logprobs: int | None, renames: dict[str, str] | None = None) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ."""
     if body.seed is not None and not -(2**63) <= body.seed <= 2**63 - n:  # the engine's generators take int64

@@ -30,7 +30,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """The sampling fields chat and text completions share."""
 
     model: str | None = None
@@ -51,7 +51,7 @@ class _SamplingFields(_Request):
     user: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, description="preferred over max_tokens when both are given")
     logprobs: bool | None = None
@@ -66,7 +66,7 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[str] | None = None
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for text completions
     logprobs: int | None = None
