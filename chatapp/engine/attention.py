@@ -46,13 +46,22 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Vectorised attention with torch ops: one SDPA call for all decodes, one for all prefills.
+    """Vectorised attention with torch ops: one call for all decodes, one SDPA for all prefills.
 
-    Queries are grouped per KV head (GQA) so keys and values are never repeated.
+    Decodes use our C++ paged-attention kernel when it is available (float32
+    caches), which reads keys and values in place; otherwise, and for prefill
+    chunks, the requests' blocks are gathered and SDPA runs with queries
+    grouped per KV head (GQA) so keys and values are never repeated.
     """
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, head_dim: int) -> None:
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, head_dim: int,
+                 use_cpu_kernels: bool = True) -> None:
         self.kv_caches = kv_caches
+        self._kernels = None
+        if use_cpu_kernels and kv_caches[0][0].device.type == "cpu" and kv_caches[0][0].dtype == torch.float32:
+            from chatapp.engine import cpu_kernels
+
+            self._kernels = cpu_kernels.load()
         self.block_size = kv_caches[0][0].shape[1]
         self.num_kv_heads = kv_caches[0][0].shape[2]
         self.num_heads = num_heads
@@ -71,9 +80,12 @@ class TorchAttentionBackend:
         if nd:
             seq_lens = meta.seq_lens[:nd]
             num_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
-            keys = torch.arange(num_blocks * bs, device=device)
-            mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
-            self._decode = (meta.block_tables[:nd, :num_blocks].long(), mask)
+            if self._kernels is not None:
+                self._decode = (meta.block_tables[:nd, :num_blocks], seq_lens)
+            else:
+                keys = torch.arange(num_blocks * bs, device=device)
+                mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
+                self._decode = (meta.block_tables[:nd, :num_blocks].long(), mask)
         if nd < meta.num_requests:
             q_lens = meta.query_lens_cpu[nd:]
             s_lens = meta.seq_lens_cpu[nd:]
@@ -104,12 +116,10 @@ class TorchAttentionBackend:
         _store(k_cache, v_cache, k, v, meta.slot_mapping)
         nd = self._num_decode_tokens
         if self._prefill is None:
-            tables, mask = self._decode
-            return self._attend(q.unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
+            return self._attend_decodes(q, k_cache, v_cache)
         out = torch.empty_like(q)
         if self._decode is not None:
-            tables, mask = self._decode
-            out[:nd] = self._attend(q[:nd].unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
+            out[:nd] = self._attend_decodes(q[:nd], k_cache, v_cache)
         tables, mask, max_q, gather = self._prefill
         qp = q[nd:]
         if gather is None:
@@ -119,6 +129,14 @@ class TorchAttentionBackend:
             padded = self._attend(qp[index], k_cache, v_cache, tables, mask)  # [Bp, max_q, H, D]
             out[nd:] = padded[valid]
         return out
+
+    def _attend_decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Single-token queries q [Bd, H, D], one per request."""
+        if self._kernels is not None:
+            tables, seq_lens = self._decode
+            return self._kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, self.scale)
+        tables, mask = self._decode
+        return self._attend(q.unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
