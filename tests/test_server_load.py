@@ -28,9 +28,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> ServedEngine:
     from tests.tiny_model import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-8k"), max_position_embeddings=8192)
-    # float32: the int8 path (the CPU default) is not batch-invariant, so a batched greedy run
-    # may differ from a solo one there, whatever the server does.
-    engine = {"model": str(model), "num_kv_blocks": 2048, "max_num_seqs": 64, "quantization": None}
+    engine = {"model": str(model), "num_kv_blocks": 2048, "max_num_seqs": 64}
     with ServedEngine(tmp_path_factory.mktemp("runtime"), engine) as se:
         yield se
 
