@@ -15,7 +15,14 @@ def build_parser() -> argparse.ArgumentParser:
     from chatapp import cli_models
 
     cli_models.register(sub)
+    _register_serve(sub)
     return parser
+
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
+    from chatapp.server.cli import register
+
+    register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

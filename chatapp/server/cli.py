@@ -1,0 +1,89 @@
+"""`chatapp serve`: the engine and the HTTP server, without the TUI.
+
+The server listens at once and answers 503 (with Retry-After) while the
+model loads, so scripts can poll /health instead of guessing when it is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+
+API_KEY_ENV = "CHATAPP_API_KEY"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="run the local OpenAI-compatible HTTP server (no TUI)",
+                           description="Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+                                       "/v1/embeddings, /v1/models) on chatapp's shared engine.")
+    # SUPPRESS: `chatapp --model M serve` (the top-level option) must not be reset by this one's default.
+    serve.add_argument("--model", default=argparse.SUPPRESS,
+                       help="model name, directory or GGUF file (default: the bundled SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1; anything else needs --api-key to be safe)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                       help=f"require this key (Authorization: Bearer KEY, or x-api-key: KEY); "
+                            f"default ${API_KEY_ENV}, else none")
+    serve.add_argument("--cors-origin", dest="cors_origins", action="extend", nargs="+", default=[],
+                       metavar="ORIGIN", help="allow browser pages from ORIGIN (repeatable; default: no CORS)")
+    serve.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from chatapp.server.run import exposure_warning
+
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        bar = "!" * min(len(warning), 100)
+        print(f"{bar}\n{warning}\n{bar}", file=sys.stderr, flush=True)
+    return asyncio.run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from chatapp.engine.client import AsyncEngineClient
+    from chatapp.engine.config import EngineConfig
+    from chatapp.server.run import start_server
+
+    client = AsyncEngineClient(EngineConfig(model=getattr(args, "model", None)))
+    client.add_state_listener(lambda state, detail: print(f"engine: {state}{': ' + detail if detail else ''}",
+                                                          file=sys.stderr, flush=True))
+    try:
+        handle = await start_server(client, args.host, args.port, api_key=args.api_key,
+                                    cors_origins=args.cors_origins, access_log=args.verbose,
+                                    log_exposure=False)
+    except OSError as exc:
+        print(f"chatapp serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    print(f"Serving the OpenAI-compatible API at {handle.url}/v1 (Ctrl+C stops)", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(client.start())
+    stopping = asyncio.create_task(stop.wait())
+    code = 0
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            if starting.exception() is not None:
+                print(f"chatapp serve: the engine did not start: {starting.exception()}", file=sys.stderr)
+                code = 1
+            else:
+                if client.model_mismatch:
+                    print(f"chatapp serve: note: {client.model_mismatch}", file=sys.stderr)
+                print(f"Ready: {client.model_info.name}", flush=True)
+                await stopping
+    finally:
+        starting.cancel()
+        stopping.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await handle.stop()
+        await client.close()
+    return code

@@ -1,0 +1,97 @@
+"""`chatapp serve` (issue 6): arguments, the exposure warning, and a real run in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from chatapp.cli import build_parser
+from chatapp.server import cli as serve_cli
+from chatapp.server.run import exposure_warning
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.api_key, args.cors_origins) == ("127.0.0.1", 8000, None, [])
+    assert getattr(args, "model", None) is None
+    assert build_parser().parse_args(["--model", "m1", "serve"]).model == "m1"
+    assert build_parser().parse_args(["serve", "--model", "m2"]).model == "m2"
+    args = build_parser().parse_args(["serve", "--cors-origin", "http://a", "http://b", "--cors-origin", "http://c"])
+    assert args.cors_origins == ["http://a", "http://b", "http://c"]
+    monkeypatch.setenv(serve_cli.API_KEY_ENV, "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+
+
+def test_exposure_warning_only_for_non_loopback_without_key(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert exposure_warning(host, None) is None
+    assert exposure_warning("0.0.0.0", "key") is None
+    assert "WITHOUT an API key" in exposure_warning("0.0.0.0", None)
+    assert "WITHOUT an API key" in exposure_warning("192.168.1.5", None)
+
+    async def no_serve(args: object) -> int:
+        return 0
+
+    monkeypatch.setattr(serve_cli, "_serve", no_serve)
+    assert serve_cli.run(build_parser().parse_args(["serve", "--host", "0.0.0.0"])) == 0
+    assert "WARNING: serving on 0.0.0.0 WITHOUT an API key" in capsys.readouterr().err
+    assert serve_cli.run(build_parser().parse_args(["serve", "--host", "0.0.0.0", "--api-key", "k"])) == 0
+    assert capsys.readouterr().err == ""
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "CHATAPP_RUNTIME_DIR": str(tmp_path / "runtime"), "PYTHONUNBUFFERED": "1"}
+
+
+def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "chatapp", "serve", "--port", str(port)], env=_env(tmp_path),
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chatapp", "--model", str(tiny_llama), "serve", "--port", "0", "--api-key", "k"],
+        env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", first)
+        assert match, first
+        url = match.group(1)
+        loading = httpx.get(f"{url}/health")  # it listens at once, while the engine starts
+        assert loading.status_code == 503 and loading.json()["status"] == "loading"
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.25)
+        sdk = OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        answer = sdk.chat.completions.create(model=tiny_llama.name, max_tokens=3,
+                                             messages=[{"role": "user", "content": "hi"}])
+        assert answer.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert f"Ready: {tiny_llama.name}" in out and "Traceback" not in err
