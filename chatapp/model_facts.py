@@ -1,0 +1,301 @@
+"""What a model is, read from its files without loading it, and whether it fits in memory.
+
+`models list`, `models info`, `models pull` and the TUI's Hub search all show
+the same facts (architecture, parameters, quantisation, context length,
+supported or not and why) and the same memory label, so they live here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The engine runs float32 on the CPU: that is what a parameter costs in memory.
+CPU_BYTES_PER_PARAMETER = 4
+# The smallest KV pool worth running with: one 2k-token conversation.
+MIN_KV_TOKENS = 2048
+# Above this share of available memory the rest of the system starts to swap.
+TIGHT_MEMORY_SHARE = 0.75
+# Decoding reads every weight once per token; on a CPU (~10-20 GB/s of memory
+# bandwidth) more than 4 GiB of weights (~1B float32 parameters) is a few tokens/s.
+SLOW_WEIGHT_BYTES = 4 << 30
+
+FITS, SLOW, WONT_FIT = "fits", "will be slow", "will not fit"
+
+# GGUF `general.architecture` -> the Hugging Face class the engine runs after conversion.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Facts about a model, any of which may be unknown (None)."""
+
+    architecture: str | None  # e.g. "LlamaForCausalLM" (a GGUF file: its converted class)
+    family: str | None  # model_type / GGUF architecture, e.g. "llama", "qwen2"
+    parameters: int | None
+    quantization: str | None  # "bf16", "f32", "Q4_1", "gptq", ...
+    context_length: int | None
+    kv_bytes_per_token: int | None
+    supported: bool
+    reason: str = ""  # why not supported; empty when supported
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Memory a model needs to run here, against what the machine has free."""
+
+    weights_bytes: int
+    kv_bytes: int  # a MIN_KV_TOKENS pool; 0 when the KV size is unknown (e.g. a Hub listing)
+    available_bytes: int
+    label: str  # FITS, SLOW or WONT_FIT
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes
+
+    def describe(self) -> str:
+        kv = f" + {format_bytes(self.kv_bytes)} KV cache" if self.kv_bytes else ""
+        return (f"{self.label}: needs about {format_bytes(self.total_bytes)} "
+                f"({format_bytes(self.weights_bytes)} float32 weights{kv}), "
+                f"{format_bytes(self.available_bytes)} available")
+
+
+def available_memory() -> int:
+    """Memory the engine could use now, from psutil (what the OS could hand out without swapping)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def estimate_memory(num_parameters: int, kv_bytes_per_token: int | None = None, *,
+                    bytes_per_parameter: int = CPU_BYTES_PER_PARAMETER,
+                    available_bytes: int | None = None) -> MemoryEstimate:
+    """Weights plus a minimum KV pool, labelled "fits" / "will be slow" / "will not fit" (as Jan shows)."""
+    weights = int(num_parameters) * bytes_per_parameter
+    kv = MIN_KV_TOKENS * kv_bytes_per_token if kv_bytes_per_token else 0
+    available = available_memory() if available_bytes is None else int(available_bytes)
+    total = weights + kv
+    if total > available:
+        label = WONT_FIT
+    elif total > TIGHT_MEMORY_SHARE * available or weights > SLOW_WEIGHT_BYTES:
+        label = SLOW
+    else:
+        label = FITS
+    return MemoryEstimate(weights, kv, available, label)
+
+
+def estimate_for(facts: ModelFacts, *, available_bytes: int | None = None) -> MemoryEstimate | None:
+    """The memory estimate of a model whose parameter count is known, else None."""
+    if not facts.parameters:
+        return None
+    return estimate_memory(facts.parameters, facts.kv_bytes_per_token, available_bytes=available_bytes)
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_count(n: int | None) -> str:
+    """135M, 1.5B: parameter counts as people write them."""
+    if n is None:
+        return "?"
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            value = n / div
+            return f"{value:.1f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
+    return str(n)
+
+
+# --- Hugging Face model directories and configs ---------------------------------------------
+
+
+def facts_from_config(hf_config: dict[str, Any], generation_config: dict[str, Any] | None = None, *,
+                      parameters: int | None = None, weights_dtype: str | None = None) -> ModelFacts:
+    """Facts from a config.json dict; `parameters` (exact, if known) beats the estimate from shapes."""
+    from chatapp.engine.models.config import UnsupportedModelError, check_supported, model_config_from_dict
+
+    archs = hf_config.get("architectures") or []
+    arch = archs[0] if archs else None
+    family = hf_config.get("model_type")
+    quant_cfg = hf_config.get("quantization_config")
+    quant_method = quant_cfg.get("quant_method") if isinstance(quant_cfg, dict) else None
+    quantization = quant_method or weights_dtype or _short_dtype(hf_config.get("torch_dtype") or hf_config.get("dtype"))
+    context = hf_config.get("max_position_embeddings")
+    try:
+        check_supported(hf_config)
+        if quant_method:
+            raise UnsupportedModelError(
+                f"{quant_method} quantised checkpoints are not supported; use an unquantised or a GGUF version")
+        mc = model_config_from_dict(hf_config, generation_config)
+    except UnsupportedModelError as e:
+        return ModelFacts(arch, family, parameters, quantization, context, None, False, str(e))
+    except (KeyError, TypeError, ValueError) as e:  # a config.json missing the fields the engine needs
+        return ModelFacts(arch, family, parameters, quantization, context, None, False,
+                          f"config.json is incomplete or malformed ({type(e).__name__}: {e})")
+    return ModelFacts(arch, family, parameters or mc.num_parameters(), quantization,
+                      mc.max_position_embeddings, mc.kv_bytes_per_token, True)
+
+
+def _short_dtype(name: Any) -> str | None:
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(str(name), None) if name else None
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files a model directory's index names, else every *.safetensors in it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def count_safetensors(files: list[Path]) -> tuple[int, str | None]:
+    """(parameter count, dtype of most tensors) from the files' headers; no tensor data is read."""
+    from safetensors import safe_open
+
+    total, by_dtype = 0, {}
+    for path in files:
+        with safe_open(str(path), framework="np") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                n = 1
+                for dim in tensor.get_shape():
+                    n *= dim
+                total += n
+                dtype = tensor.get_dtype().lower()
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+    main = max(by_dtype, key=by_dtype.get) if by_dtype else None
+    return total, {"f32": "f32", "f16": "f16", "bf16": "bf16"}.get(main or "", main)
+
+
+def facts_from_model_dir(model_dir: Path) -> ModelFacts:
+    """Facts from a Hugging Face model directory: config.json plus the safetensors headers."""
+    try:
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        gen_path = model_dir / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
+    except FileNotFoundError:
+        return ModelFacts(None, None, None, None, None, None, False, "no config.json")
+    except (OSError, ValueError) as e:
+        return ModelFacts(None, None, None, None, None, None, False, f"config.json is unreadable: {e}")
+    try:
+        files = safetensors_files(model_dir)
+        missing = [f.name for f in files if not f.exists()]
+    except (OSError, ValueError, KeyError) as e:
+        return _unsupported(facts_from_config(hf_config, generation), f"the safetensors index is unreadable: {e}")
+    if not files:
+        return _unsupported(facts_from_config(hf_config, generation),
+                            "no .safetensors weights (chatapp loads safetensors or GGUF only)")
+    if missing:
+        return _unsupported(facts_from_config(hf_config, generation),
+                            f"incomplete: missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    try:
+        params, dtype = count_safetensors(files)
+    except Exception as e:  # a truncated or foreign file: report it rather than crash a listing
+        return _unsupported(facts_from_config(hf_config, generation), f"unreadable weights: {e}")
+    return facts_from_config(hf_config, generation, parameters=params, weights_dtype=dtype)
+
+
+def _unsupported(facts: ModelFacts, reason: str) -> ModelFacts:
+    return ModelFacts(facts.architecture, facts.family, facts.parameters, facts.quantization,
+                      facts.context_length, facts.kv_bytes_per_token, False, reason)
+
+
+# --- GGUF files -------------------------------------------------------------------------------
+
+
+def facts_from_gguf(path: Path) -> ModelFacts:
+    """Facts from a GGUF file's header, cached: parsing it reads the whole vocabulary (~3 s)."""
+    summary = _gguf_summary(path)
+    return facts_from_gguf_summary(summary)
+
+
+def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:
+    """Facts from a GGUF summary: {"architecture", "parameters", "quantization", "context_length", ...}.
+
+    The Hub's model info carries the same keys for GGUF repos (`gguf`), so
+    pre-download checks use this too.
+    """
+    family = summary.get("architecture")
+    arch = GGUF_ARCHITECTURES.get(family or "")
+    params = summary.get("parameters") or summary.get("total")
+    context = summary.get("context_length")
+    quant = summary.get("quantization")
+    if arch is None:
+        reason = (f"GGUF architecture {family or 'unknown'!r} is not supported by chatapp's engine; "
+                  f"it runs {', '.join(GGUF_ARCHITECTURES)}")
+        return ModelFacts(None, family, params, quant, context, None, False, reason)
+    kv = None
+    if all(summary.get(k) for k in ("block_count", "head_count_kv", "head_dim")):
+        kv = 2 * summary["block_count"] * summary["head_count_kv"] * summary["head_dim"] * 4
+    return ModelFacts(arch, family, params, quant, context, kv, True)
+
+
+def _gguf_summary(path: Path) -> dict[str, Any]:
+    from chatapp import paths
+
+    stat = path.stat()
+    key = hashlib.blake2b(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+    cache = paths.cache_dir() / "gguf-info" / f"{key}.json"
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        pass
+    summary = read_gguf_summary(path)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(summary))
+        os.replace(tmp, cache)
+    except OSError as e:  # a read-only cache only costs speed
+        log.debug("cannot cache GGUF summary of %s: %s", path, e)
+    return summary
+
+
+def read_gguf_summary(path: Path) -> dict[str, Any]:
+    """Architecture, parameter count, quantisation and shape facts from a GGUF header (gguf library)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(name: str) -> Any:
+        f = reader.fields.get(name)
+        return f.contents() if f is not None else None
+
+    arch = field("general.architecture")
+    heads = field(f"{arch}.attention.head_count")
+    embed = field(f"{arch}.embedding_length")
+    head_dim = field(f"{arch}.attention.key_length") or (embed // heads if heads and embed else None)
+    file_type = field("general.file_type")
+    try:
+        quant = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
+    except ValueError:
+        quant = f"type {file_type}"
+    return {
+        "architecture": arch,
+        "parameters": int(sum(int(t.n_elements) for t in reader.tensors)),
+        "quantization": quant,
+        "context_length": field(f"{arch}.context_length"),
+        "block_count": field(f"{arch}.block_count"),
+        "head_count_kv": field(f"{arch}.attention.head_count_kv") or heads,
+        "head_dim": head_dim,
+    }

@@ -1,0 +1,225 @@
+"""The local model store: bundled model, registry of user paths, listing, removal, memory estimates."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chatapp import model_facts, store
+from tests.hub_helpers import point_hf_at, run_cli, tiny_gguf, with_config
+
+DEAD_HUB = "http://127.0.0.1:9"  # nothing listens there: any network use fails loudly
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Empty registry and HF cache, and a Hub that cannot be reached."""
+    monkeypatch.setenv("CHATAPP_DATA_DIR", str(tmp_path / "data"))
+    point_hf_at(DEAD_HUB, tmp_path / "hf-home", monkeypatch)
+    return tmp_path
+
+
+@pytest.fixture
+def fake_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Stand in for the slow GGUF -> safetensors conversion in a fresh cache dir; records each call."""
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[Path] = []
+
+    def convert(gguf: Path, out: Path) -> None:
+        calls.append(gguf)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(store, "_convert_gguf", convert)
+    return calls
+
+
+# --- the bundled model ----------------------------------------------------------------------
+
+
+def test_bundled_model_is_found_offline_on_a_fresh_install(tmp_path: Path) -> None:
+    """A fresh process with no network and an empty HF cache and registry lists and resolves it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": DEAD_HUB, "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "CHATAPP_DATA_DIR": str(tmp_path / "data")}
+    listing = subprocess.run([sys.executable, "-m", "chatapp", "models", "list"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert listing.returncode == 0, listing.stderr
+    row = next(line for line in listing.stdout.splitlines() if line.startswith(store.BUNDLED_NAME))
+    assert row.split()[1:4] == ["bundled", "LlamaForCausalLM", "135M"] and "Q4_1" in row and row.endswith("ok")
+
+    # The conversion lives in the shared cache dir (made once per machine, see conftest).
+    code = "from chatapp.store import resolve_model; m = resolve_model(None); print(m.source, m.path)"
+    resolved = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert resolved.returncode == 0, resolved.stderr
+    source, path = resolved.stdout.split()
+    assert source == "bundled" and (Path(path) / "model.safetensors").exists()
+
+
+def test_second_resolve_of_the_bundled_model_does_not_convert_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = store.resolve_model(None)  # converts only if this machine never did
+    stamp = (first.path / "model.safetensors").stat().st_mtime_ns
+
+    def no_conversion(gguf: Path, out: Path) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(store, "_convert_gguf", no_conversion)
+    second = store.resolve_model(None)
+    assert second == first
+    assert (second.path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_gguf_file_is_converted_once(tmp_path: Path, fake_conversion: list[Path], home: Path) -> None:
+    gguf = tiny_gguf(tmp_path / "mine.gguf")
+    first = store.resolve_model(str(gguf))
+    second = store.resolve_model(str(gguf))
+    assert fake_conversion == [gguf]
+    assert first == second and first.source == "gguf" and first.name == "mine"
+
+
+def test_bundled_model_cannot_be_removed(home: Path) -> None:
+    code, _, err = run_cli("models", "rm", store.BUNDLED_NAME, "--yes")
+    assert code == 1 and "cannot be removed" in err
+    assert store.bundled_gguf_path().exists()
+
+
+# --- paths the user points to --------------------------------------------------------------
+
+
+def test_add_list_and_forget_a_model_directory(home: Path, tiny_llama: Path) -> None:
+    before = {p.name: p.read_bytes() for p in tiny_llama.iterdir()}
+    code, out, err = run_cli("models", "add", str(tiny_llama))
+    assert code == 0, err
+    assert "LlamaForCausalLM" in out and "ok" in out
+
+    code, out, _ = run_cli("models", "list")
+    row = next(line for line in out.splitlines() if line.startswith(str(tiny_llama)))
+    assert row.split()[1:4] == ["directory", "LlamaForCausalLM", f"{_tiny_params(tiny_llama) / 1e6:.1f}M"]
+    assert row.endswith("ok")
+
+    code, out, _ = run_cli("models", "rm", str(tiny_llama))  # forgetting deletes nothing: no question asked
+    assert code == 0 and "its files stay where they are" in out
+    assert str(tiny_llama) not in run_cli("models", "list")[1]
+    assert {p.name: p.read_bytes() for p in tiny_llama.iterdir()} == before
+
+
+def _tiny_params(model_dir: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
+
+
+def test_model_flag_remembers_the_path(home: Path, tiny_llama: Path) -> None:
+    store.resolve_model(str(tiny_llama))
+    assert store.registered_paths() == []
+    store.resolve_model(str(tiny_llama), remember=True)
+    store.resolve_model(str(tiny_llama), remember=True)
+    assert store.registered_paths() == [tiny_llama.resolve()]
+
+
+def test_unsupported_and_vanished_paths_are_listed_with_the_reason(home: Path, tmp_path: Path,
+                                                                    tiny_llama: Path) -> None:
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    for name, data in with_config(tiny_llama, architectures=["GPT2LMHeadModel"], model_type="gpt2").items():
+        (gpt2 / name).write_bytes(data)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    (gone / "config.json").write_text("{}")
+    store.remember_path(gpt2)
+    store.remember_path(gone)
+    (gone / "config.json").unlink()
+    gone.rmdir()
+
+    code, out, _ = run_cli("models", "list")
+    assert code == 0
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "unsupported: model architecture GPT2LMHeadModel is not supported" in rows[str(gpt2)]
+    assert "the path no longer exists" in rows[str(gone)]
+
+    code, out, _ = run_cli("models", "info", str(gpt2))
+    assert code == 0 and "supported" in out and "GPT2LMHeadModel" in out
+
+    assert run_cli("models", "rm", str(gone))[0] == 0
+    assert store.registered_paths() == [gpt2]
+
+
+def test_adding_something_that_is_not_a_model_is_one_clear_line(home: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for path, message in ((tmp_path / "empty", "no config.json"), (tmp_path / "nowhere", "does not exist")):
+        code, _, err = run_cli("models", "add", str(path))
+        assert code == 1 and message in err and err.count("\n") == 1
+    assert store.registered_paths() == []
+
+
+def test_an_unreadable_registry_is_kept_aside_not_overwritten(home: Path, tiny_llama: Path) -> None:
+    registry = home / "data" / store.REGISTRY_FILE
+    registry.parent.mkdir(parents=True, exist_ok=True)
+    registry.write_text("{ this is not json")
+    assert run_cli("models", "list")[0] == 0
+    store.remember_path(tiny_llama)
+    assert store.registered_paths() == [tiny_llama.resolve()]
+    kept = list(registry.parent.glob(f"{store.REGISTRY_FILE}.unreadable-*"))
+    assert [p.read_text() for p in kept] == ["{ this is not json"]
+
+
+def test_a_registered_gguf_is_forgotten_and_only_its_conversion_deleted(home: Path, tmp_path: Path,
+                                                                       fake_conversion: list[Path]) -> None:
+    gguf = tiny_gguf(tmp_path / "mine-F16.gguf")
+    converted = store.resolve_model(str(gguf), remember=True).path
+    code, out, _ = run_cli("models", "list")
+    row = next(line for line in out.splitlines() if line.startswith(str(gguf)))
+    assert row.split()[1:3] == ["gguf", "LlamaForCausalLM"] and "F16" in row and "2048" in row
+
+    code, out, _ = run_cli("models", "rm", str(gguf))
+    assert code == 0 and "converted copy" in out
+    assert gguf.exists() and not converted.exists() and store.registered_paths() == []
+
+
+# --- names that lead nowhere ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nobody/nothing", "not in the Hugging Face cache; download it with `chatapp models pull nobody/nothing`"),
+    ("nobody/nothing:x.gguf", "chatapp models pull nobody/nothing:x.gguf"),
+    ("just-a-word", "not a path, and not a Hugging Face repo id"),
+])
+def test_unknown_names_say_what_to_do(home: Path, spec: str, message: str) -> None:
+    with pytest.raises(store.ModelNotFoundError) as err:
+        store.resolve_model(spec)
+    assert message in str(err.value)
+    code, _, stderr = run_cli("models", "info", spec)
+    assert code == 1 and stderr.startswith("error: no model named") and stderr.count("\n") == 1
+
+
+# --- facts and memory ----------------------------------------------------------------------
+
+
+def test_memory_labels() -> None:
+    gib = 1 << 30
+    assert model_facts.estimate_memory(100_000_000, 50_000, available_bytes=16 * gib).label == "fits"
+    # 2B float32 parameters = 8 GB of weights: fits in 16 GiB, but slow to decode on a CPU.
+    assert model_facts.estimate_memory(2_000_000_000, available_bytes=16 * gib).label == "will be slow"
+    # Small weights, little memory left over.
+    assert model_facts.estimate_memory(500_000_000, available_bytes=int(2.2 * gib)).label == "will be slow"
+    assert model_facts.estimate_memory(8_000_000_000, available_bytes=16 * gib).label == "will not fit"
+    # The KV pool counts: 2048 tokens x 1 MiB/token = 2 GiB on top of 0.4 GB of weights.
+    estimate = model_facts.estimate_memory(100_000_000, 1 << 20, available_bytes=2 * gib)
+    assert estimate.kv_bytes == 2 * gib and estimate.label == "will not fit"
+    assert "will not fit: needs about" in estimate.describe()
+
+
+def test_facts_count_the_real_parameters_and_flag_what_the_engine_cannot_load(tiny_llama: Path) -> None:
+    facts = model_facts.facts_from_model_dir(tiny_llama)
+    assert facts.supported and facts.parameters == _tiny_params(tiny_llama)
+    assert facts.quantization == "f32" and facts.context_length == 2048
+
+    config = json.loads((tiny_llama / "config.json").read_text())
+    gptq = model_facts.facts_from_config({**config, "quantization_config": {"quant_method": "gptq"}})
+    assert not gptq.supported and "gptq" in gptq.reason
+    broken = model_facts.facts_from_config({"architectures": ["LlamaForCausalLM"]})
+    assert not broken.supported and "incomplete" in broken.reason
