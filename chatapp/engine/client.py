@@ -1,0 +1,684 @@
+"""AsyncEngineClient: the asyncio side of the shared background engine (implements api.EngineClient).
+
+Usage::
+
+    client = await AsyncEngineClient.connect(EngineConfig(model=...))   # attach, or spawn and wait
+    async for delta in client.generate("Hello", SamplingParams(max_tokens=32)):
+        print(delta.text, end="")
+    await client.close()
+
+To show start-up progress, build the client first, subscribe, then start::
+
+    client = AsyncEngineClient(config)
+    client.add_state_listener(lambda state, detail: ...)   # or: async for state, detail in client.state_changes()
+    await client.start()
+
+States: "starting" (finding or spawning the engine), "loading" (the engine loads
+a model; ``state_detail`` has its progress line), "ready", "dead" (the engine
+process died: every stream and call raised EngineDeadError; ``restart()``
+recovers) and "closed".
+
+Tokenization and detokenization happen here, not in the engine: each client
+holds the model's Tokenizer and an OutputProcessor, so the engine loop only
+moves token ids, and stop strings are found here (then aborted in the engine).
+
+Why not multiprocessing: the engine is shared and must outlive the client that
+started it, but multiprocessing's exit handler joins (or, for daemons, kills)
+its children when the parent exits. The engine is started instead with
+``subprocess.Popen([sys.executable, "-m", "chatapp.engine.process", ...])``:
+a fresh interpreter like the ``spawn`` method, in its own session (a Ctrl-C in
+the terminal does not reach it), which no exit handler owns. It exits by
+itself when its last client leaves.
+
+Engine death is detected by watching its pid (the spawning client also reaps
+it, since a dead child stays a zombie until reaped), not by heartbeats: a CPU
+forward step can be slower than any sensible heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import psutil
+import zmq
+import zmq.asyncio
+
+from chatapp import paths
+from chatapp.engine import ipc
+from chatapp.engine.api import (
+    EngineBusyError,
+    EngineDeadError,
+    EngineError,
+    InvalidRequestError,
+    ModelInfo,
+)
+from chatapp.engine.config import EngineConfig
+from chatapp.engine.core import context_length_error
+from chatapp.engine.output_processor import OutputDelta, OutputProcessor
+from chatapp.engine.sampling_params import SamplingParams
+from chatapp.engine.tokenizer import ChatFormatError, Tokenizer
+
+log = logging.getLogger(__name__)
+
+State = Literal["starting", "loading", "ready", "dead", "closed"]
+StateListener = Callable[[str, str], None]
+
+HELLO_TIMEOUT_S = 15.0
+"""A live engine answers a hello within milliseconds (it loads models on a helper thread)."""
+WATCH_INTERVAL_S = 0.1
+"""How often the engine's pid is checked: bounds how late a death is noticed."""
+BYE_TIMEOUT_S = 2.0
+ENGINE_EXIT_WAIT_S = 10.0
+
+
+class EngineModelMismatchError(EngineError):
+    """A running engine serves another model and the client asked to refuse rather than attach."""
+
+
+@dataclass
+class _Stream:
+    """One generate() call's inbox: deltas, or the exception that ends it."""
+
+    queue: asyncio.Queue[OutputDelta | BaseException] = field(default_factory=asyncio.Queue)
+
+
+class AsyncEngineClient:
+    """One connection to the shared engine; safe to share between the TUI and the HTTP server in one loop."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        runtime_dir: Path | str | None = None,
+        on_model_mismatch: Literal["attach", "error"] = "attach",
+    ) -> None:
+        """No I/O here: subscribe to state changes, then ``await start()``.
+
+        ``config`` is used to spawn an engine; attaching to a running one uses
+        that engine's settings. When the running engine serves another model,
+        "attach" uses it anyway (``model_mismatch`` says so) and "error" raises
+        EngineModelMismatchError.
+        """
+        if on_model_mismatch not in ("attach", "error"):
+            raise ValueError(f"on_model_mismatch must be 'attach' or 'error', got {on_model_mismatch!r}")
+        self.config = config or EngineConfig()
+        self.on_model_mismatch = on_model_mismatch
+        self._runtime_arg = Path(runtime_dir) if runtime_dir is not None else None
+        self.state: State = "starting"
+        self.state_detail = ""
+        self.model_info: ModelInfo | None = None  # type: ignore[assignment]  # set once ready
+        self.tokenizer: Tokenizer | None = None  # type: ignore[assignment]
+        self.engine_pid: int | None = None
+        self.spawned_engine = False  # whether this client started the engine it is attached to
+        self.model_mismatch: str | None = None  # set when attached to an engine serving another model
+        self.log_path: Path | None = None
+        self._listeners: list[StateListener] = []
+        self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
+        self._changed = asyncio.Event()
+        self._death: EngineError | None = None
+        self._processor: OutputProcessor | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._next_call = 0
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._engine_proc: psutil.Process | None = None
+        self._welcome: asyncio.Future[ipc.Welcome] | None = None
+        self._bye: asyncio.Future[ipc.ByeAck] | None = None
+        self._encoder, self._decoder = ipc.client_codec()
+
+    # -- start, restart, close ---------------------------------------------------
+
+    @classmethod
+    async def connect(cls, config: EngineConfig | None = None, **kwargs: Any) -> AsyncEngineClient:
+        """Attach to the running engine (or spawn one) and return once it is ready."""
+        client = cls(config, **kwargs)
+        await client.start()
+        return client
+
+    async def start(self) -> None:
+        """Attach or spawn, then wait until the model is loaded.
+
+        Raises EngineDeadError when the engine cannot be started or dies while
+        loading, InvalidRequestError(param="model") for a model that cannot be
+        loaded, EngineModelMismatchError (see __init__).
+        """
+        if self.state == "ready":
+            return
+        self._death = None
+        self._set_state("starting", "looking for a running engine")
+        for attempt in range(2):
+            try:
+                await self._attach()
+                break
+            except _EngineLeft:
+                # It exited between our reading its record and its answer; the next try spawns anew.
+                await self._teardown()
+                self._set_state("starting", "the engine left; trying again")
+                if attempt == 1:
+                    raise EngineDeadError("the engine exited while this client was attaching; retry") from None
+        while self.state not in ("ready", "dead", "closed"):
+            await self._wait_state_change()
+        if self.state != "ready":
+            raise self._death or EngineDeadError("the engine client was closed while starting")
+
+    async def restart(self) -> None:
+        """Recover after a death (or reconnect): detach if attached, then attach to or spawn an engine."""
+        await self._detach()
+        self._set_state("starting", "restarting")
+        await self.start()
+
+    async def close(self) -> None:
+        """Detach; the engine exits by itself when no client is left (waited for if this client spawned it)."""
+        if self.state == "closed":
+            return
+        await self._detach()
+        self._set_state("closed", "")
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- state ------------------------------------------------------------------------
+
+    def add_state_listener(self, listener: StateListener) -> Callable[[], None]:
+        """Call ``listener(state, detail)`` on every change (in the event loop); returns an unsubscribe function."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    async def state_changes(self) -> AsyncIterator[tuple[str, str]]:
+        """Yield (state, detail) now and on every change; ends after "closed"."""
+        queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        queue.put_nowait((self.state, self.state_detail))
+        self._watchers.add(queue)
+        try:
+            while True:
+                state, detail = await queue.get()
+                yield state, detail
+                if state == "closed":
+                    return
+        finally:
+            self._watchers.discard(queue)
+
+    def _set_state(self, state: State, detail: str) -> None:
+        if (state, detail) == (self.state, self.state_detail):
+            return
+        self.state, self.state_detail = state, detail
+        self._changed.set()
+        self._changed = asyncio.Event()
+        for queue in self._watchers:
+            queue.put_nowait((state, detail))
+        for listener in list(self._listeners):
+            try:
+                listener(state, detail)
+            except Exception:
+                log.exception("a state listener failed")
+
+    async def _wait_state_change(self) -> None:
+        await self._changed.wait()
+
+    # -- the EngineClient API ---------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[OutputDelta]:
+        """Stream one request's deltas (see api.EngineClient.generate); closing early aborts it."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams", "params")
+        self._require_ready()
+        text, token_ids = self._tokenize(prompt, messages, params)
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        processor = self._processor
+        assert processor is not None
+        stream = _Stream()
+        self._streams[request_id] = stream
+        processor.add_request(request_id, text, token_ids, params)
+        try:
+            self._send(ipc.AddRequest(request_id, token_ids, ipc.params_to_wire(params)))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # Runs on aclose(), cancellation and when a dropped iterator is finalised by the loop.
+            self._streams.pop(request_id, None)
+            if processor.has(request_id):
+                processor.drop(request_id)
+                if self.state in ("ready", "loading"):
+                    self._send(ipc.AbortRequests([request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with finish_reason "abort" (no-op when unknown or finished)."""
+        if request_id in self._streams and self.state in ("ready", "loading"):
+            self._send(ipc.AbortRequests([request_id]))
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine core's counters, plus num_clients and engine_pid."""
+        return await self._call(lambda cid: ipc.StatsCall(cid))
+
+    async def embed(self, inputs: list[str | list[int]]) -> list[list[float]]:
+        """Mean-pooled, L2-normalised final hidden states of each input (tokenized here)."""
+        self._require_ready()
+        if not isinstance(inputs, list) or not inputs:
+            raise InvalidRequestError("input must be a non-empty list of strings or token-id lists", "input")
+        prompts = [self._embedding_ids(item, i) for i, item in enumerate(inputs)]
+        return await self._call(lambda cid: ipc.EmbedCall(cid, prompts), invalid_param="input")
+
+    async def switch_model(self, model: str | None) -> ModelInfo:
+        """Have the engine load another model (for every attached client); running requests end with "error"."""
+        self._require_ready()
+        result = await self._call(lambda cid: ipc.SwitchModelCall(cid, model), invalid_param="model")
+        return msgspec.convert(result, ModelInfo) if not isinstance(result, ModelInfo) else result
+
+    # -- requests: validation and tokenization ------------------------------------------
+
+    def _require_ready(self) -> None:
+        if self.state == "ready":
+            return
+        if self.state == "dead":
+            raise self._death or EngineDeadError("the engine died; restart it")
+        if self.state == "closed":
+            raise EngineDeadError("this engine client is closed")
+        raise EngineBusyError(f"the engine is not ready ({self.state}: {self.state_detail}); retry shortly")
+
+    def _tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
+                  params: SamplingParams) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids), or InvalidRequestError naming the bad field."""
+        assert self.tokenizer is not None and self.model_info is not None
+        if (prompt is None) == (messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
+        text: str | None = None
+        if messages is not None:
+            param = "messages"
+            try:
+                token_ids = self.tokenizer.render_chat(messages)
+            except ChatFormatError as exc:
+                raise InvalidRequestError(str(exc), "messages") from exc
+        else:
+            param = "prompt"
+            if isinstance(prompt, str):
+                text = prompt
+                token_ids = self.tokenizer.encode(prompt) if prompt else []
+            else:
+                token_ids = self._check_token_ids(prompt, "prompt")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param)
+        max_len = self.model_info.max_model_len
+        if len(token_ids) >= max_len:
+            raise InvalidRequestError(context_length_error(max_len, len(token_ids), params.max_tokens), param)
+        return text, token_ids
+
+    def _check_token_ids(self, ids: object, param: str) -> list[int]:
+        assert self.model_info is not None
+        vocab = self.model_info.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError(f"{param} must be a string or a list of token ids", param)
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"{param} token ids must be in [0, {vocab})", param)
+        return list(ids)
+
+    def _embedding_ids(self, item: str | list[int], index: int) -> list[int]:
+        assert self.tokenizer is not None and self.model_info is not None
+        if isinstance(item, str):
+            ids = self.tokenizer.encode(item) if item else []
+        else:
+            ids = self._check_token_ids(item, "input")
+        if not ids:
+            raise InvalidRequestError(f"input[{index}] is empty", "input")
+        if len(ids) >= self.model_info.max_model_len:
+            raise InvalidRequestError(context_length_error(self.model_info.max_model_len, len(ids), 0), "input")
+        return ids
+
+    # -- calls ---------------------------------------------------------------------------
+
+    async def _call(self, make: Callable[[int], Any], invalid_param: str | None = None) -> Any:
+        if self.state not in ("ready", "loading"):
+            self._require_ready()
+        call_id = self._next_call
+        self._next_call += 1
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self._send(make(call_id))
+            reply: ipc.Reply = await future
+        finally:
+            self._calls.pop(call_id, None)
+        if reply.error is None:
+            return reply.result
+        if reply.error_kind == "busy":
+            raise EngineBusyError(reply.error)
+        if reply.error_kind == "invalid":
+            raise InvalidRequestError(reply.error, invalid_param)
+        raise EngineError(reply.error)
+
+    def _send(self, msg: Any) -> None:
+        """Queue a message without awaiting: also usable from a generator's finally during finalisation."""
+        if self._sock is None:
+            return
+        try:
+            future = self._sock.send(self._encoder.encode(msg))
+        except zmq.ZMQError as exc:
+            log.warning("sending %s failed: %s", type(msg).__name__, exc)
+            return
+        if isinstance(future, asyncio.Future):
+            future.add_done_callback(_log_send_failure)
+
+    # -- attaching ----------------------------------------------------------------------
+
+    def _runtime(self) -> Path:
+        if self._runtime_arg is not None:
+            self._runtime_arg.mkdir(parents=True, exist_ok=True)
+            os.chmod(self._runtime_arg, 0o700)
+            return self._runtime_arg
+        return paths.runtime_dir()
+
+    async def _attach(self) -> None:
+        """Find or spawn the engine and say hello, holding the discovery lock (see ipc.py)."""
+        runtime = self._runtime()
+        lock = ipc.DiscoveryLock(runtime)
+        while not lock.try_acquire():
+            await asyncio.sleep(0.05)
+        try:
+            record = ipc.read_record(runtime)
+            if record is not None and record.process() is None:
+                log.info("removing the stale record of engine pid %d", record.pid)
+                ipc.remove_record(runtime, record)
+                record = None
+            wanted = ipc.normalize_model_spec(self.config.model)
+            if record is None:
+                record = await self._spawn(runtime)
+                self.spawned_engine = True
+            else:
+                self.spawned_engine = False
+                self._popen = None
+                if record.model != wanted:
+                    message = (f"the running engine (pid {record.pid}) serves {record.model}, not {wanted}; "
+                               "using it (switch_model changes it for every client)")
+                    if self.on_model_mismatch == "error":
+                        raise EngineModelMismatchError(message.split("; ")[0] + "; stop it or switch its model")
+                    log.warning(message)
+                    self.model_mismatch = message
+            self.engine_pid, self.log_path = record.pid, Path(record.log_path)
+            self._engine_proc = record.process()
+            if self._engine_proc is None:
+                raise _EngineLeft()
+            await self._hello(record, wanted)  # the receiver applies the engine's state from here on
+        finally:
+            lock.release()
+
+    async def _spawn(self, runtime: Path) -> ipc.EngineRecord:
+        """Start the engine process and wait until it has bound its socket and written its record."""
+        self._set_state("starting", "starting the engine process")
+        log_path = runtime / ipc.LOG_FILE
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "chatapp.engine.process",
+                 "--config", ipc.config_to_json(self.config), "--runtime-dir", str(runtime)],
+                stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                start_new_session=True, close_fds=True,
+            )
+        finally:
+            os.close(log_fd)
+        log.info("spawned engine pid %d", self._popen.pid)
+        while True:
+            record = ipc.read_record(runtime)
+            if record is not None and record.pid == self._popen.pid:
+                return record
+            code = self._popen.poll()
+            if code is not None:
+                raise EngineDeadError(f"the engine process exited with code {code} while starting; "
+                                      f"see {log_path}:\n{_tail(log_path)}")
+            await asyncio.sleep(0.05)
+
+    async def _hello(self, record: ipc.EngineRecord, wanted: str) -> ipc.Welcome:
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{os.getpid()}-{uuid.uuid4().hex[:8]}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(record.socket)
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        self._welcome = loop.create_future()
+        self._tasks = [loop.create_task(self._receive(), name="engine-client-receive"),
+                       loop.create_task(self._watch(), name="engine-client-watch"),
+                       loop.create_task(self._heartbeat(), name="engine-client-heartbeat")]
+        self._send(ipc.Hello(os.getpid(), wanted))
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._welcome), HELLO_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineDeadError(f"the engine (pid {record.pid}) does not answer; see {record.log_path}") from None
+        except EngineDeadError:
+            if self._engine_proc is None or not _alive(self._engine_proc, self._popen):
+                raise _EngineLeft() from None
+            raise
+
+    async def _apply_engine_state(self, state: str, detail: str, info: ModelInfo | None) -> None:
+        """Follow the engine's state; on "ready" (re)load the tokenizer first, so requests can be tokenized."""
+        if state == "ready" and info is not None:
+            if self.tokenizer is None or self.model_info is None or self.model_info.path != info.path:
+                self._set_state("loading", f"loading the tokenizer of {info.name}")
+                try:
+                    tokenizer = await asyncio.to_thread(Tokenizer, info.path)
+                except Exception as exc:
+                    log.exception("loading the tokenizer failed")
+                    self._die(EngineError(f"could not load the tokenizer of {info.name}: {exc}"))
+                    return
+                self.tokenizer = tokenizer
+                self._processor = OutputProcessor(tokenizer)
+            self.model_info = info
+            self._set_state("ready", detail)
+        elif state == "loading":
+            self._set_state("loading", detail)
+
+    # -- background tasks -------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        try:
+            await self._receive_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("the engine connection failed")
+            self._die(EngineDeadError(f"lost the connection to the engine: {exc}"))
+
+    async def _receive_loop(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                msg = self._decoder.decode(frames[-1])
+            except msgspec.DecodeError as exc:
+                log.warning("dropping an undecodable message from the engine: %s", exc)
+                continue
+            match msg:
+                case ipc.Outputs():
+                    self._on_outputs(msg)
+                case ipc.Reply():
+                    future = self._calls.get(msg.call_id)
+                    if future is not None and not future.done():
+                        future.set_result(msg)
+                case ipc.StateUpdate(state="failed"):
+                    error: EngineError = (InvalidRequestError(msg.detail, "model") if msg.error_kind == "invalid"
+                                          else EngineDeadError(msg.detail))  # type: ignore[assignment]
+                    self._die(error)
+                    return
+                case ipc.StateUpdate():
+                    await self._apply_engine_state(msg.state, msg.detail, msg.info)
+                case ipc.Welcome():
+                    if self._welcome is not None and not self._welcome.done():
+                        self._welcome.set_result(msg)
+                    await self._apply_engine_state(msg.state, msg.detail, msg.info)
+                case ipc.ByeAck():
+                    if self._bye is not None and not self._bye.done():
+                        self._bye.set_result(msg)
+                case ipc.ShuttingDown():
+                    self._die(EngineDeadError(f"the engine shut down: {msg.reason}"))
+                    return
+
+    def _on_outputs(self, msg: ipc.Outputs) -> None:
+        processor = self._processor
+        if processor is None:
+            return
+        to_abort: list[str] = []
+        for out in msg.outputs:
+            try:
+                deltas, stop_ids = processor.process([out])
+            except Exception as exc:  # one request's detokenizing bug must not stall the others
+                log.exception("processing the output of %s failed", out.request_id)
+                processor.drop(out.request_id)
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(EngineError(f"processing the output failed: {exc}"))
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
+                continue
+            to_abort += stop_ids
+            for delta in deltas:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(delta)
+        if to_abort:
+            self._send(ipc.AbortRequests(to_abort))
+
+    async def _watch(self) -> None:
+        """Notice the engine's death by its pid (reaping it if it is our child)."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if self._engine_proc is not None and not _alive(self._engine_proc, self._popen):
+                code = self._popen.returncode if self._popen is not None else None
+                how = f" (exit code {code})" if code is not None else ""
+                self._die(EngineDeadError(f"the engine process (pid {self._engine_proc.pid}) died{how}; "
+                                          f"restart it; see {self.log_path}"))
+                return
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(ipc.HEARTBEAT_INTERVAL_S)
+            self._send(ipc.Heartbeat())
+
+    # -- death and teardown --------------------------------------------------------------
+
+    def _die(self, error: EngineError) -> None:
+        """Fail every stream and call at once, drop the connection, and go to "dead"."""
+        if self.state in ("dead", "closed"):
+            return
+        self._death = error
+        self._fail_pending(error)
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._close_socket()
+        self._set_state("dead", str(error))
+
+    def _fail_pending(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        if self._processor is not None:
+            for request_id in list(self._streams):
+                self._processor.drop(request_id)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        for waiter in (self._welcome, self._bye):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(error)
+                waiter.exception()  # retrieved: nobody may be awaiting it any more
+
+    async def _detach(self) -> None:
+        """Say bye (when the engine is alive), fail what is pending, and reap an engine we spawned and left."""
+        remaining = None
+        if self._sock is not None and self.state in ("ready", "loading", "starting"):
+            self._bye = asyncio.get_running_loop().create_future()
+            self._send(ipc.Bye())
+            with contextlib.suppress(TimeoutError, EngineError):
+                remaining = (await asyncio.wait_for(asyncio.shield(self._bye), BYE_TIMEOUT_S)).remaining_clients
+        self._fail_pending(EngineDeadError("this engine client was closed"))
+        await self._teardown()
+        if self._popen is not None and remaining == 0:
+            await self._reap(self._popen)
+        self._popen = None
+
+    async def _teardown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        self._close_socket()
+        self._streams.clear()
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    @staticmethod
+    async def _reap(popen: subprocess.Popen[bytes]) -> None:
+        """The engine exits by itself once its last client left; collect it so it leaves no zombie."""
+        deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+        while popen.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if popen.poll() is None:
+            log.warning("the engine (pid %d) did not exit after its last client left; terminating it", popen.pid)
+            popen.terminate()
+
+
+class _EngineLeft(Exception):
+    """The engine we were attaching to exited under us (internal: start() retries once)."""
+
+
+def _alive(proc: psutil.Process, popen: subprocess.Popen[bytes] | None) -> bool:
+    """Is the engine running? A zombie is dead; our own child is reaped by poll()."""
+    if popen is not None and popen.pid == proc.pid:
+        return popen.poll() is None
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _log_send_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("sending to the engine failed: %s", future.exception())
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
