@@ -48,11 +48,11 @@ def default_engine_factory(model: str | None, kv_cache_memory_gib: float | None)
     """Attach to (or start) the shared background engine process."""
 
     async def factory() -> EngineClient:
-        try:
-            from chatapp.engine.client import AsyncEngineClient  # type: ignore[import-not-found]
-        except ImportError:
-            raise EngineError("the background engine client is not part of this build") from None
-        return await AsyncEngineClient.connect(model=model, kv_cache_memory_gib=kv_cache_memory_gib)
+        from chatapp.engine.client import AsyncEngineClient
+        from chatapp.engine.config import EngineConfig
+
+        # Not started here: LocalEngine starts it, so the status bar sees it load.
+        return AsyncEngineClient(EngineConfig(model=model, kv_cache_memory_gib=kv_cache_memory_gib))
 
     return factory
 

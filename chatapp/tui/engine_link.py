@@ -3,7 +3,9 @@
 Panes never start the engine themselves; they ask :meth:`LocalEngine.client`,
 which waits until it is ready. The status bar reads :meth:`LocalEngine.snapshot`
 once a second. The engine client may expose a ``state`` (starting, loading,
-ready, dead) and a ``load_progress`` (0..1); both are read if present, so any
+ready, dead, closed) with a ``state_detail`` line (the loading progress), a
+``load_progress`` (0..1) and ``start()``/``restart()``, as AsyncEngineClient
+does; all are read if present, so any
 :class:`~chatapp.engine.api.EngineClient` works here.
 """
 
@@ -36,7 +38,7 @@ class EngineSnapshot:
     prefix_hit_rate: float | None = None
     running: int = 0
     detail: str | None = None
-    """Why it is dead, when it is."""
+    """Why it is dead, or what it is doing while starting or loading."""
 
 
 def _state_name(value: Any) -> str | None:
@@ -73,6 +75,9 @@ class LocalEngine:
         self._state = "starting"
         try:
             self._client = await self._factory()
+            if _state_name(getattr(self._client, "state", "ready")) != "ready" and hasattr(self._client, "start"):
+                # Kept before starting, so the status bar can show "loading" and its progress line.
+                await self._client.start()
         except (EngineError, OSError, ValueError, RuntimeError) as exc:
             log.exception("engine start failed")
             self._fail(str(exc) or type(exc).__name__)
@@ -147,6 +152,7 @@ class LocalEngine:
         model = getattr(info, "name", None)
         device = getattr(info, "device", None)
         progress = getattr(client, "load_progress", None)
+        detail = getattr(client, "state_detail", None) or None
         if self._state == "dead":
             self._last = EngineSnapshot("dead", model, device, detail=self._error)
             return self._last
@@ -162,9 +168,10 @@ class LocalEngine:
         used = stats.get("kv_blocks_used")
         running = int(stats.get("num_running", 0) or 0)
         state = "busy" if self._state == "ready" and running else self._state
-        self._last = EngineSnapshot(state, model, device, progress if state in ("starting", "loading") else None,
+        loading = state in ("starting", "loading")
+        self._last = EngineSnapshot(state, model, device, progress if loading else None,
                                     (used / total) if total and used is not None else None,
-                                    stats.get("prefix_cache_hit_rate"), running)
+                                    stats.get("prefix_cache_hit_rate"), running, detail if loading else None)
         return self._last
 
     @property

@@ -31,6 +31,8 @@ class StatusBar(Widget):
         text.append(f" {state} ", style=_STATE_STYLES.get(e.state, "bold"))
         if e.state == "dead":
             text.append(f" {self.restart_key} restarts", style="bold")
+        elif e.detail and e.state in ("starting", "loading"):
+            text.append(f" {e.detail[:40]}", style="italic")
         parts = [e.model or "no model"]
         if e.device:
             parts.append(e.device)
