@@ -1,0 +1,157 @@
+"""Every error leaves the server in OpenAI's shape: ``{"error": {message, type, param, code}}``.
+
+Clients (the openai SDK, litellm, editors) parse that shape to show the user
+what went wrong, and the SDK retries 5xx answers, so a client's mistake must
+always be a 4xx. The engine's exceptions are mapped here, in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chatapp.engine.api import EngineBusyError, EngineDeadError, InvalidRequestError
+from chatapp.engine.tokenizer import ChatFormatError
+
+log = logging.getLogger(__name__)
+
+CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
+RETRY_AFTER_SECONDS = 5
+
+
+class APIError(Exception):
+    """An error answer, raised anywhere in a request and rendered by the app's handler."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class EngineFailure(Exception):
+    """A stream ended with finish_reason "error" or "abort" (a model switch, an engine error)."""
+
+
+class ClientGone(APIError):
+    """The client closed the connection before the answer was ready; nobody reads this answer."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection", code="client_closed_request")
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, what: str | None = None) -> APIError:
+    """A known OpenAI feature this server does not implement: say so instead of ignoring it."""
+    return APIError(400, f"{what or param} is not supported by this server", param=param, code="unsupported_parameter")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type="server_error", code="engine_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def from_engine_error(exc: BaseException, prompt_param: str) -> APIError:
+    """Map an exception from the engine client (or prompt rendering) to its HTTP answer."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        message = str(exc)
+        if message.startswith(CONTEXT_LENGTH_PREFIX):
+            return APIError(400, message, param=exc.param or prompt_param, code="context_length_exceeded")
+        return bad_request(message, exc.param or prompt_param)
+    if isinstance(exc, ChatFormatError):
+        match = re.match(r"(messages\[\d+\](?:\.\w+)?(?:\[\d+\])?)", str(exc))
+        return bad_request(str(exc), match.group(1) if match else "messages")
+    if isinstance(exc, EngineFailure):
+        return APIError(500, str(exc), type="server_error", code="engine_error")
+    if isinstance(exc, EngineDeadError):
+        return unavailable(f"the engine stopped ({exc}); it is restarting, retry shortly")
+    if isinstance(exc, EngineBusyError):
+        return unavailable(f"the engine is busy: {exc}")
+    log.exception("unexpected error from the engine", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+
+
+def sampling_error(exc: ValueError, renames: dict[str, str]) -> APIError:
+    """SamplingParams raises ``ValueError("<field> <why>")``; name the field the client sent."""
+    message = str(exc)
+    field = message.split(" ", 1)[0]
+    param = renames.get(field, field)
+    if param != field:
+        message = param + message[len(field):]
+    return bad_request(message, param)
+
+
+def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    """("body", "messages", 0, "content") -> "messages[0].content"."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not isinstance(part, str) or part.startswith(("function-", "list[", "str", "int", "float", "dict[")):
+            continue  # pydantic's names of union members add nothing for the client
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first.get('msg')}", None).response()
+    param = _param_from_loc(tuple(first.get("loc", ())))
+    message = f"{param}: {first['msg']}" if param else str(first["msg"])
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return bad_request(message, param).response()
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        message = f"no such route: {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return APIError(exc.status_code, message, type=kind, code="not_found" if exc.status_code == 404 else None,
+                    headers=dict(exc.headers or {})).response()
+
+
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error in the HTTP server", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
+def install_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

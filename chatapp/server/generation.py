@@ -1,0 +1,238 @@
+"""Shared by the chat and text-completion routes: prompts, sampling parameters,
+running n engine streams together, and stopping them when the client leaves.
+
+Engine streams are always read by their own asyncio tasks. A client that goes
+away makes Starlette cancel the response inside an anyio cancel scope, where
+every later ``await`` is cancelled again; a stream read directly there could
+not finish its abort. Cancelling our own reader tasks instead lets each stream
+close (and abort its request in the engine) normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+
+from chatapp.engine.api import EngineClient
+from chatapp.engine.core import context_length_error
+from chatapp.engine.output_processor import OutputDelta
+from chatapp.engine.outputs import TokenLogprobs
+from chatapp.engine.sampling_params import SamplingParams
+from chatapp.server.errors import APIError, ClientGone, EngineFailure, bad_request, sampling_error
+from chatapp.server.schemas import _SamplingFields
+
+T = TypeVar("T")
+
+MAX_N = 16
+MAX_STOP_STRINGS = 256
+# Tokenising a few KB takes well under a millisecond; anything bigger goes to a
+# thread so one huge prompt cannot stall every other stream on the event loop.
+_INLINE_TOKENIZE_CHARS = 16_384
+
+
+# -- prompts --------------------------------------------------------------------
+
+
+async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
+    if size <= _INLINE_TOKENIZE_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+async def render_chat(client: EngineClient, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a conversation (raises ChatFormatError for a bad one)."""
+    size = sum(len(str(m.get("content") or "")) for m in messages)
+    return await _maybe_in_thread(size, client.tokenizer.render_chat, messages)
+
+
+async def encode(client: EngineClient, text: str) -> list[int]:
+    return await _maybe_in_thread(len(text), client.tokenizer.encode, text)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range: this model's ids are 0..{vocab_size - 1}", param)
+
+
+def check_context(ids: Sequence[int], max_model_len: int, max_tokens: int | None, param: str) -> None:
+    """A prompt must leave room for at least one new token; a long max_tokens is cut at the context's end."""
+    if not ids:
+        raise bad_request("the prompt is empty", param)
+    if len(ids) >= max_model_len:
+        raise APIError(400, context_length_error(max_model_len, len(ids), max_tokens), param=param,
+                       code="context_length_exceeded")
+
+
+# -- sampling parameters -------------------------------------------------------
+
+
+def check_n(n: int | None) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    return n
+
+
+def parse_logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """JSON object keys are strings: {"1234": -100} -> {1234: -100.0}."""
+    if not raw:
+        return None
+    out = {}
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias token id {token} is out of range 0..{vocab_size - 1}", "logit_bias")
+        out[token] = bias
+    return out
+
+
+def sampling_params(body: _SamplingFields, *, n: int, vocab_size: int, max_tokens: int | None,
+                    logprobs: int | None, renames: dict[str, str] | None = None) -> list[SamplingParams]:
+    """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ."""
+    stop = body.stop
+    if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    common = dict(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        max_tokens=max_tokens,
+        stop=stop,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logprobs=logprobs,
+        logit_bias=parse_logit_bias(body.logit_bias, vocab_size),
+    )
+    try:
+        return [SamplingParams(**common, seed=None if body.seed is None else body.seed + i) for i in range(n)]
+    except ValueError as exc:
+        raise sampling_error(exc, renames or {}) from None
+
+
+# -- running the streams -------------------------------------------------------
+
+
+@dataclass
+class ChoiceResult:
+    """One choice, gathered for a non-streaming answer."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class ChoiceStreams:
+    """Reads several engine streams at once (n choices, several prompts) as one sequence of (index, delta)."""
+
+    def __init__(self, client: EngineClient, prompts: list[list[int]], params: list[SamplingParams],
+                 request_id: str) -> None:
+        self._queue: asyncio.Queue[tuple[int, OutputDelta | None, BaseException | None]] = asyncio.Queue()
+        self._open = len(prompts)
+        self._tasks = [
+            asyncio.create_task(self._pump(i, client.generate(ids, p, f"{request_id}-{i}")))
+            for i, (ids, p) in enumerate(zip(prompts, params))
+        ]
+
+    async def _pump(self, index: int, stream: Any) -> None:
+        try:
+            async for delta in stream:
+                self._queue.put_nowait((index, delta, None))
+        except Exception as exc:  # noqa: BLE001  handed to the reader, which maps it
+            self._queue.put_nowait((index, None, exc))
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+            self._queue.put_nowait((index, None, None))
+
+    async def next(self) -> tuple[int, OutputDelta] | None:
+        """The next delta of any choice; None once all have ended. Re-raises a stream's error."""
+        while self._open:
+            index, delta, error = await self._queue.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                self._open -= 1
+                continue
+            return index, delta
+        return None
+
+    async def aclose(self) -> None:
+        """Stop every stream (aborting unfinished requests); safe inside a cancelled scope."""
+        for task in self._tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def collect(self, count: int) -> list[ChoiceResult]:
+        """Run every stream to its end (non-streaming answers)."""
+        results = [ChoiceResult() for _ in range(count)]
+        try:
+            while (item := await self.next()) is not None:
+                index, delta = item
+                result = results[index]
+                result.text += delta.text
+                result.token_ids += delta.token_ids
+                if delta.logprobs:
+                    result.logprobs += delta.logprobs
+                result.num_prompt_tokens = delta.num_prompt_tokens
+                result.num_output_tokens = delta.num_output_tokens
+                if delta.finished:
+                    check_finish(delta)
+                    result.finish_reason = delta.finish_reason
+        finally:
+            await self.aclose()
+        return results
+
+
+def check_finish(delta: OutputDelta) -> None:
+    if delta.finish_reason == "error":
+        raise EngineFailure(delta.error or "the engine failed this request")
+    if delta.finish_reason == "abort":
+        raise EngineFailure("the request was aborted in the engine")
+
+
+# -- client disconnects ----------------------------------------------------------
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, but cancel it (aborting its engine requests) if the client disconnects first.
+
+    Needed before the response starts: a non-streaming answer or the first
+    token of a stream can wait a long time in the engine's queue, and nothing
+    else notices a client that timed out meanwhile.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()

@@ -1,0 +1,45 @@
+"""Engine logprobs -> OpenAI's two logprob shapes (chat's ``content`` list, completions' legacy columns).
+
+A token's text is its own decoding (special tokens included), and ``bytes``
+is that text's UTF-8; for a token that is only part of a multi-byte character
+this is U+FFFD's bytes, not the raw byte.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chatapp.engine.outputs import TokenLogprobs
+from chatapp.engine.tokenizer import Tokenizer
+
+
+def _text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
+                  top_n: int) -> list[dict[str, Any]]:
+    """The ``choices[i].logprobs.content`` entries for these tokens."""
+    out = []
+    for token_id, lp in zip(token_ids, logprobs):
+        text = _text(tokenizer, token_id)
+        top = []
+        for alt_id, alt_lp in lp.top[:top_n]:
+            alt = _text(tokenizer, alt_id)
+            top.append({"token": alt, "logprob": alt_lp, "bytes": list(alt.encode())})
+        out.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode()), "top_logprobs": top})
+    return out
+
+
+def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
+                        top_n: int, text_offset: int) -> tuple[dict[str, Any], int]:
+    """The legacy ``{tokens, token_logprobs, top_logprobs, text_offset}`` columns, and the next offset."""
+    cols: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, lp in zip(token_ids, logprobs):
+        text = _text(tokenizer, token_id)
+        cols["tokens"].append(text)
+        cols["token_logprobs"].append(lp.logprob)
+        cols["top_logprobs"].append({_text(tokenizer, a): alp for a, alp in lp.top[:top_n]} if top_n else None)
+        cols["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return cols, text_offset

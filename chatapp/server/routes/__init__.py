@@ -1,0 +1,1 @@
+"""One module per endpoint family; app.py mounts their routers."""

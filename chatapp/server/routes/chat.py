@@ -1,0 +1,140 @@
+"""POST /v1/chat/completions: chat answers, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from chatapp.engine.api import EngineClient
+from chatapp.server import generation as gen
+from chatapp.server.errors import bad_request, unsupported
+from chatapp.server.logprobs import chat_logprobs
+from chatapp.server.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse
+from chatapp.server.sse import event_stream
+from chatapp.server.state import ServerState, get_state
+
+router = APIRouter()
+
+_UNSUPPORTED_PARTS = {"image_url": "image input", "input_image": "image input", "input_audio": "audio input",
+                      "audio": "audio input", "file": "file input"}
+
+
+def _check_supported(body: ChatCompletionRequest) -> None:
+    """Refuse features we cannot honour by name, instead of answering as if they were not asked for."""
+    if body.tools:
+        raise unsupported("tools", "tool calling (tools)")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise unsupported("tool_choice")
+    if body.functions:
+        raise unsupported("functions", "function calling (functions)")
+    if body.function_call not in (None, "none", "auto"):
+        raise unsupported("function_call")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", f"response_format {body.response_format.get('type')!r}")
+    if body.audio is not None or (body.modalities and set(body.modalities) - {"text"}):
+        raise unsupported("modalities" if body.audio is None else "audio", "audio output")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                kind = part.get("type")
+                if kind in _UNSUPPORTED_PARTS:
+                    raise unsupported(f"messages[{i}].content[{j}]", f"{_UNSUPPORTED_PARTS[kind]} ({kind!r} parts)")
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion,
+             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
+                        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"}})
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           state: ServerState = Depends(get_state)) -> Any:
+    client = state.engine()
+    model = state.served_model(body.model)
+    info = client.model_info
+    _check_supported(body)
+    n = gen.check_n(body.n)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top_n = (body.top_logprobs or 0) if body.logprobs else 0
+    params = gen.sampling_params(
+        body, n=n, vocab_size=info.vocab_size, max_tokens=max_tokens, logprobs=top_n if body.logprobs else None,
+        renames={"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                 "logprobs": "top_logprobs"},
+    )
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        prompt = await gen.render_chat(client, messages)
+    except Exception as exc:  # noqa: BLE001  ChatFormatError and friends -> 400
+        raise state.error(exc, "messages") from None
+    gen.check_context(prompt, info.max_model_len, max_tokens, "messages")
+
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    streams = gen.ChoiceStreams(client, [prompt] * n, params, request_id)
+    if not body.stream:
+        try:
+            results = await gen.until_disconnect(request, streams.collect(n))
+        except Exception as exc:  # noqa: BLE001
+            raise state.error(exc, "messages") from None
+        choices = []
+        for i, r in enumerate(results):
+            logprobs = ({"content": chat_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n)}
+                        if body.logprobs else None)
+            choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
+                            "logprobs": logprobs, "finish_reason": r.finish_reason})
+        completion = sum(r.num_output_tokens for r in results)
+        return ChatCompletion(id=request_id, created=created, model=model, choices=choices,
+                              usage={"prompt_tokens": len(prompt), "completion_tokens": completion,
+                                     "total_tokens": len(prompt) + completion})
+
+    try:
+        first = await gen.until_disconnect(request, streams.next())
+    except BaseException as exc:
+        await streams.aclose()
+        if isinstance(exc, Exception):
+            raise state.error(exc, "messages") from None
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunks = _chunks(client, streams, first, request_id=request_id, created=created, model=model, n=n,
+                     prompt_tokens=len(prompt), top_n=top_n if body.logprobs else None, include_usage=include_usage)
+    return event_stream(chunks, lambda exc: state.error(exc, "messages"))
+
+
+async def _chunks(client: EngineClient, streams: gen.ChoiceStreams, first: tuple[int, Any] | None, *,
+                  request_id: str, created: int, model: str, n: int, prompt_tokens: int, top_n: int | None,
+                  include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """chat.completion.chunk events: a role chunk per choice, content chunks, one finish chunk per choice."""
+    base: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+        event = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            event["usage"] = None
+        return event
+
+    completion_tokens = 0
+    try:
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        item = first
+        while item is not None:
+            index, delta = item
+            logprobs = None
+            if top_n is not None and delta.logprobs:
+                logprobs = {"content": chat_logprobs(client.tokenizer, delta.token_ids, delta.logprobs, top_n)}
+            if delta.text or logprobs:
+                yield chunk(index, {"content": delta.text}, logprobs)
+            if delta.finished:
+                gen.check_finish(delta)
+                completion_tokens += delta.num_output_tokens
+                yield chunk(index, {}, None, delta.finish_reason)
+            item = await streams.next()
+        if include_usage:
+            yield {**base, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                    "completion_tokens": completion_tokens,
+                                                    "total_tokens": prompt_tokens + completion_tokens}}
+    finally:
+        await streams.aclose()

@@ -1,0 +1,132 @@
+"""POST /v1/completions: plain text completion of one or more prompts (text or token ids)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from chatapp.engine.api import EngineClient
+from chatapp.server import generation as gen
+from chatapp.server.errors import bad_request, unsupported
+from chatapp.server.logprobs import completion_logprobs
+from chatapp.server.schemas import Completion, CompletionRequest, ErrorResponse
+from chatapp.server.sse import event_stream
+from chatapp.server.state import ServerState, get_state
+
+router = APIRouter()
+
+MAX_PROMPTS = 64
+
+
+async def _prompts(client: EngineClient, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+    """Every accepted prompt form -> a list of token-id prompts."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]  # type: ignore[list-item]  one prompt given as token ids
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+    out = []
+    for i, p in enumerate(prompt):
+        param = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        ids = await gen.encode(client, p) if isinstance(p, str) else list(p)
+        gen.check_token_ids(ids, client.model_info.vocab_size, param)
+        out.append(ids)
+    return out
+
+
+@router.post("/v1/completions", response_model=Completion,
+             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
+                        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"}})
+async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
+    client = state.engine()
+    model = state.served_model(body.model)
+    info = client.model_info
+    if body.echo:
+        raise unsupported("echo")
+    if body.suffix:
+        raise unsupported("suffix")
+    n = gen.check_n(body.n)
+    if body.best_of is not None and body.best_of != n:
+        raise unsupported("best_of", "best_of other than n")
+    params = gen.sampling_params(body, n=n, vocab_size=info.vocab_size, max_tokens=body.max_tokens,
+                                 logprobs=body.logprobs)
+    prompts = await _prompts(client, body.prompt)
+    for i, ids in enumerate(prompts):
+        gen.check_context(ids, info.max_model_len, body.max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    # Choice k is prompt k // n, sample k % n (OpenAI's order).
+    streams = gen.ChoiceStreams(client, [ids for ids in prompts for _ in range(n)], params * len(prompts), request_id)
+    prompt_tokens = sum(len(ids) for ids in prompts)
+    top_n = body.logprobs
+    if not body.stream:
+        try:
+            results = await gen.until_disconnect(request, streams.collect(n * len(prompts)))
+        except Exception as exc:  # noqa: BLE001
+            raise state.error(exc, "prompt") from None
+        choices = []
+        for k, r in enumerate(results):
+            logprobs = (completion_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n, 0)[0]
+                        if top_n is not None else None)
+            choices.append({"index": k, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason})
+        completion = sum(r.num_output_tokens for r in results)
+        return Completion(id=request_id, created=created, model=model, choices=choices,
+                          usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                 "total_tokens": prompt_tokens + completion})
+
+    try:
+        first = await gen.until_disconnect(request, streams.next())
+    except BaseException as exc:
+        await streams.aclose()
+        if isinstance(exc, Exception):
+            raise state.error(exc, "prompt") from None
+        raise
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunks = _chunks(client, streams, first, request_id=request_id, created=created, model=model,
+                     prompt_tokens=prompt_tokens, top_n=top_n, include_usage=include_usage)
+    return event_stream(chunks, lambda exc: state.error(exc, "prompt"))
+
+
+async def _chunks(client: EngineClient, streams: gen.ChoiceStreams, first: tuple[int, Any] | None, *,
+                  request_id: str, created: int, model: str, prompt_tokens: int, top_n: int | None,
+                  include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """text_completion events: text chunks, then one chunk with the finish_reason per choice."""
+    base: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+
+    def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+        event = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            event["usage"] = None
+        return event
+
+    offsets: dict[int, int] = {}
+    completion_tokens = 0
+    try:
+        item = first
+        while item is not None:
+            index, delta = item
+            logprobs = None
+            if top_n is not None and delta.logprobs:
+                logprobs, offsets[index] = completion_logprobs(client.tokenizer, delta.token_ids, delta.logprobs,
+                                                               top_n, offsets.get(index, 0))
+            if delta.text or logprobs:
+                yield chunk(index, delta.text, logprobs)
+            if delta.finished:
+                gen.check_finish(delta)
+                completion_tokens += delta.num_output_tokens
+                yield chunk(index, "", None, delta.finish_reason)
+            item = await streams.next()
+        if include_usage:
+            yield {**base, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                    "completion_tokens": completion_tokens,
+                                                    "total_tokens": prompt_tokens + completion_tokens}}
+    finally:
+        await streams.aclose()

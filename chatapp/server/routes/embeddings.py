@@ -1,0 +1,55 @@
+"""POST /v1/embeddings: mean-pooled, L2-normalised final hidden states of the loaded model."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+
+from chatapp.server import generation as gen
+from chatapp.server.errors import bad_request, unsupported
+from chatapp.server.schemas import EmbeddingList, EmbeddingRequest, ErrorResponse
+from chatapp.server.state import ServerState, get_state
+
+router = APIRouter()
+
+MAX_INPUTS = 256
+
+
+def encode_base64(vector: list[float]) -> str:
+    """The openai SDK's default wire form: little-endian float32 bytes, base64-encoded."""
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingList,
+             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
+    client = state.engine()
+    model = state.served_model(body.model)
+    info = client.model_info
+    if body.dimensions is not None:
+        raise unsupported("dimensions", "choosing embedding dimensions")
+    raw = body.input
+    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+        raw = [raw]  # type: ignore[list-item]
+    if not raw:
+        raise bad_request("input must not be empty", "input")
+    if len(raw) > MAX_INPUTS:
+        raise bad_request(f"at most {MAX_INPUTS} inputs per request, got {len(raw)}", "input")
+    inputs = []
+    for i, item in enumerate(raw):
+        param = "input" if len(raw) == 1 else f"input[{i}]"
+        ids = await gen.encode(client, item) if isinstance(item, str) else list(item)
+        gen.check_token_ids(ids, info.vocab_size, param)
+        gen.check_context(ids, info.max_model_len, None, param)
+        inputs.append(ids)
+    try:
+        vectors = await gen.until_disconnect(request, client.embed(inputs))
+    except Exception as exc:  # noqa: BLE001
+        raise state.error(exc, "input") from None
+    as_base64 = body.encoding_format == "base64"
+    data = [{"index": i, "embedding": encode_base64(v) if as_base64 else v} for i, v in enumerate(vectors)]
+    tokens = sum(len(ids) for ids in inputs)
+    return EmbeddingList(data=data, model=model, usage={"prompt_tokens": tokens, "total_tokens": tokens})
