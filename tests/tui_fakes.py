@@ -64,7 +64,7 @@ class FakeClient:
                 await asyncio.sleep(0)
                 yield OutputDelta(rid, piece, [n], None, False, None, None, 10, n, 0)
             yield OutputDelta(rid, "", [], None, True, "stop", None, 10, n, 0)
-        except GeneratorExit:
+        except (GeneratorExit, asyncio.CancelledError):  # closed or cancelled mid-stream: the engine aborts
             self.aborted.append(rid)
             raise
 

@@ -279,7 +279,12 @@ class ChatPane(Vertical):
             if self._pending:
                 await stream.write("".join(self._pending))
                 self._pending.clear()
-            await stream.stop()
+            try:
+                await stream.stop()
+            except asyncio.CancelledError:
+                pass  # its task was cancelled before it first ran (the stream ended at once)
+            if view.body.source != answer.content:
+                await view.body.update(answer.content)  # whatever the stream could not deliver
             answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete",
                              None: "incomplete"}.get(finish, "error")
             if answer.status == "error":
