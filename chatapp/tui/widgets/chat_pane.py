@@ -1,10 +1,12 @@
 """One chat session: its messages, its prompt box, and the worker streaming its answer.
 
 Why it streams this way: the engine call runs in a Textual worker, which only
-appends each delta's text to a list; a short timer (``FLUSH_S``) hands what has
-gathered to the Markdown widget's stream in one piece, and saves the partial
-answer to the history every ``SAVE_S``. The UI therefore does a bounded amount
-of work per frame, however many panes stream and however fast.
+appends each delta's text to a list; the first text after a flush arms a
+one-shot timer (``FLUSH_S``) that hands what has gathered to the Markdown
+widget's stream in one piece, and the partial answer is saved to the history
+at most every ``SAVE_S``. The UI therefore does a bounded amount of work per
+frame, however many panes stream and however fast, and none while nothing
+arrives.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
+from textual.timer import Timer
 from textual.widgets import Markdown, Static
+from textual.widgets.markdown import MarkdownStream
 from textual.worker import Worker
 
 from chatapp.engine.api import EngineDeadError, EngineError, InvalidRequestError
@@ -62,6 +66,13 @@ class ChatPane(Vertical):
         self._worker: Worker[None] | None = None
         self._answer: Node | None = None
         self._stopping = False
+        # The stream in progress (one per pane at a time):
+        self._stream: MarkdownStream | None = None
+        self._flush_timer: Timer | None = None
+        self._save_timer: Timer | None = None
+        self._last_save = 0.0
+        self._first_token: float | None = None
+        self._n_out = 0
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -222,30 +233,14 @@ class ChatPane(Vertical):
     async def _generate(self, answer: Node) -> None:
         view = self.view_for(answer)
         assert view is not None
-        stream = Markdown.get_stream(view.body)
+        self._stream = Markdown.get_stream(view.body)
         self._answer = answer
         self._pending = []
-        last_save = time.monotonic()
-        started = time.monotonic()
-        first: float | None = None
+        self._last_save = started = time.monotonic()
+        self._first_token = None
         n_prompt = n_out = 0
         finish: str | None = None
         error: str | None = None
-
-        async def flush() -> None:
-            nonlocal last_save
-            if self._pending:
-                text = "".join(self._pending)
-                self._pending.clear()
-                await stream.write(text)
-            now = time.monotonic()
-            if first is not None and now > first:
-                self.rate = n_out / (now - first)
-            if now - last_save >= SAVE_S:
-                last_save = now
-                self.services.recorder.update_partial(self.config.db_id, answer)
-
-        timer = self.set_interval(FLUSH_S, flush)
         try:
             params = self.config.sampling_params()
             client = await self.services.client_for(self.config)
@@ -253,12 +248,15 @@ class ChatPane(Vertical):
             gen = client.generate(messages=messages, params=params, request_id=f"tui-{answer.key}")
             try:
                 async for delta in gen:
+                    n_prompt, n_out = delta.num_prompt_tokens, delta.num_output_tokens
+                    self._n_out = n_out
                     if delta.text:
-                        if first is None:
-                            first = time.monotonic()
+                        if self._first_token is None:
+                            self._first_token = time.monotonic()
                         answer.content += delta.text
                         self._pending.append(delta.text)
-                    n_prompt, n_out = delta.num_prompt_tokens, delta.num_output_tokens
+                        if self._flush_timer is None:
+                            self._flush_timer = self.set_timer(FLUSH_S, self._flush)
                     if delta.finished:
                         finish, error = delta.finish_reason, delta.error
             finally:
@@ -274,8 +272,40 @@ class ChatPane(Vertical):
         except (EngineError, InvalidRequestError, SessionConfigError) as exc:
             finish, error = "error", str(exc)
         finally:
-            timer.stop()
-            ended = time.monotonic()
+            await self._end_stream(answer, view, finish, error, started, n_prompt, n_out)
+
+    async def _flush(self) -> None:
+        """Hand the text gathered since the last flush to the Markdown stream, in one piece."""
+        self._flush_timer = None
+        if self._pending and self._stream is not None:
+            text = "".join(self._pending)
+            self._pending.clear()
+            await self._stream.write(text)
+        now = time.monotonic()
+        if self._first_token is not None and now > self._first_token:
+            self.rate = self._n_out / (now - self._first_token)
+        if self._save_timer is None:
+            delay = max(0.0, SAVE_S - (now - self._last_save))
+            self._save_timer = self.set_timer(delay, self._save_partial)
+
+    def _save_partial(self) -> None:
+        """Save the streaming answer's text so far (at most every SAVE_S, and only after new text)."""
+        self._save_timer = None
+        if self._answer is not None:
+            self._last_save = time.monotonic()
+            self.services.recorder.update_partial(self.config.db_id, self._answer)
+
+    async def _end_stream(self, answer: Node, view: MessageView, finish: str | None, error: str | None,
+                          started: float, n_prompt: int, n_out: int) -> None:
+        """Deliver the last text, record the outcome and metrics, and save the answer for good."""
+        ended = time.monotonic()
+        first = self._first_token
+        for timer in (self._flush_timer, self._save_timer):
+            if timer is not None:
+                timer.stop()
+        self._flush_timer = self._save_timer = None
+        stream, self._stream = self._stream, None
+        if stream is not None:
             if self._pending:
                 await stream.write("".join(self._pending))
                 self._pending.clear()
@@ -283,19 +313,19 @@ class ChatPane(Vertical):
                 await stream.stop()
             except asyncio.CancelledError:
                 pass  # its task was cancelled before it first ran (the stream ended at once)
-            if view.body.source != answer.content:
-                await view.body.update(answer.content)  # whatever the stream could not deliver
-            answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete",
-                             None: "incomplete"}.get(finish, "error")
-            if answer.status == "error":
-                answer.error = error or "the answer failed"
-            answer.metrics = Metrics(
-                n_prompt or None, n_out or None,
-                (n_out - 1) / (ended - first) if first is not None and n_out > 1 and ended > first else None,
-                (first - started) * 1000 if first is not None else None)
-            self.services.recorder.finish(self.config.db_id, answer)
-            self.rate = answer.metrics.tokens_per_second
-            view.refresh_meta()
-            self._answer = None
-            self._worker = None
-            self.busy = False
+        if view.body.source != answer.content:
+            await view.body.update(answer.content)  # whatever the stream could not deliver
+        answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete",
+                         None: "incomplete"}.get(finish, "error")
+        if answer.status == "error":
+            answer.error = error or "the answer failed"
+        answer.metrics = Metrics(
+            n_prompt or None, n_out or None,
+            (n_out - 1) / (ended - first) if first is not None and n_out > 1 and ended > first else None,
+            (first - started) * 1000 if first is not None else None)
+        self.services.recorder.finish(self.config.db_id, answer)
+        self.rate = answer.metrics.tokens_per_second
+        view.refresh_meta()
+        self._answer = None
+        self._worker = None
+        self.busy = False
