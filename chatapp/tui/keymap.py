@@ -13,6 +13,8 @@ from typing import Literal
 
 from textual.binding import Binding
 
+from chatapp.settings import DEFAULT_KEYS as SETTINGS_DEFAULTS
+
 Scope = Literal["app", "chat"]
 
 UNBOUND = "unbound"
@@ -72,6 +74,8 @@ def keymap(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     result: dict[str, str] = {}
     warnings: list[str] = []
     for name, key in keys.items():
+        if _is_untouched_default(name, key):
+            continue
         if name not in BY_NAME:
             warnings.append(f"settings [keys]: there is no action named {name!r}; "
                             f"known actions: {', '.join(sorted(BY_NAME))}")
@@ -80,10 +84,17 @@ def keymap(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     return result, warnings
 
 
+def _is_untouched_default(name: str, key: str) -> bool:
+    """Settings fill [keys] with their own defaults; those leave our default (which may add alternatives)."""
+    return name in BY_NAME and SETTINGS_DEFAULTS.get(name) == key
+
+
 def key_for(name: str, keys: Mapping[str, str]) -> str:
-    """The key string in force for an action (settings first, then the default)."""
-    key = keys.get(name, BY_NAME[name].default)
-    return key if key else ""
+    """The key string in force for an action (the user's setting, else our default)."""
+    key = keys.get(name)
+    if key is None or _is_untouched_default(name, key):
+        return BY_NAME[name].default
+    return key
 
 
 def display_key(key: str) -> str:

@@ -32,8 +32,8 @@ class HelpScreen(ModalScreen[None]):
         with Vertical(classes="dialog wide"):
             yield Label("Keys", classes="dialog-title")
             yield DataTable(id="keys", cursor_type="row", zebra_stripes=True)
-            yield Label("Remap keys in settings.toml under [keys], e.g. regenerate = \"f5\". Esc closes.",
-                        classes="dialog-hint")
+            yield Label("Remap keys in settings.toml under [keys], e.g. regenerate = \"f7\" "
+                        "(\"\" unbinds). Esc closes.", classes="dialog-hint", markup=False)
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
