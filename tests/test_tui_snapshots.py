@@ -49,7 +49,9 @@ def fixed_history(tmp_path: Path) -> None:
 
 def snapshot_app(tmp_path: Path):
     fixed_history(tmp_path)
-    return make_app(tmp_path, FakeClient())
+    app = make_app(tmp_path, FakeClient())
+    app.animation_level = "none"  # e.g. the tab underline would be caught mid-slide
+    return app
 
 
 async def settle(pilot: Pilot) -> None:
@@ -62,6 +64,8 @@ def test_main_screen_with_three_sessions(snap_compare, tmp_path: Path) -> None:
     async def run_before(pilot: Pilot) -> None:
         await settle(pilot)
         await pilot.press("f6")  # the second pane has the focus
+        await wait_for(pilot, lambda: panes(pilot.app)[1].has_class("active"), "second pane active")
+        await pilot.wait_for_animation()
         await pilot.pause()
 
     assert snap_compare(snapshot_app(tmp_path), terminal_size=SIZE, run_before=run_before)
