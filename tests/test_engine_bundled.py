@@ -39,7 +39,7 @@ def model_path():
 @pytest.fixture(scope="module")
 def llm(model_path) -> LLM:
     # A tiny token budget forces chunked prefill and mixes decodes with prefill chunks.
-    return LLM(kv_cache_memory_gib=0.25, max_num_batched_tokens=24, long_prefill_token_threshold=16)
+    return LLM(kv_cache_memory_gib=0.25, max_num_batched_tokens=24, long_prefill_token_threshold=16, quantization=None)
 
 
 def test_continuous_batch_with_chunked_prefill_matches_hf(llm: LLM, model_path) -> None:
@@ -92,10 +92,10 @@ def test_fully_cached_prompt_still_generates(llm: LLM) -> None:
 
 def test_preemption_under_a_small_pool_keeps_outputs_identical(model_path) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(kv_cache_memory_gib=0.25)
+    roomy = LLM(kv_cache_memory_gib=0.25, quantization=None)
     expected = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS[:6], params)]
     del roomy
-    tight = LLM(num_kv_blocks=10, block_size=16, max_num_batched_tokens=64)
+    tight = LLM(num_kv_blocks=10, block_size=16, max_num_batched_tokens=64, quantization=None)
     outs = tight.generate(PROMPTS[:6], params)
     stats = tight.stats()
     assert stats["num_preemptions"] > 0

@@ -93,10 +93,12 @@ def idle(stats: dict[str, Any]) -> bool:
     return stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
 
 
-async def start_script(job: dict[str, Any]) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
+async def start_script(job: dict[str, Any], runtime: Path | None = None
+                       ) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
+    env = {**os.environ, "CHATAPP_RUNTIME_DIR": str(runtime)} if runtime is not None else None
     proc = await asyncio.create_subprocess_exec(
         sys.executable, str(SCRIPT), json.dumps(job),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 60)
@@ -188,10 +190,12 @@ async def test_cancelled_reader_aborts(client: AsyncEngineClient) -> None:
 async def test_stop_string_is_found_client_side_and_aborted(client: AsyncEngineClient,
                                                            reference: dict[str, Any]) -> None:
     prompt = PROMPTS[0]
-    text, _ = reference[prompt]
+    text, ids = reference[prompt]
+    assert len(ids) == MAX_TOKENS  # no EOS early on: with ignore_eos the first tokens are the same
     stop = text[len(text) // 2:len(text) // 2 + 3]
     assert stop.strip(), text
-    deltas = await collect(client.generate(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=stop)))
+    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, stop=stop)
+    deltas = await collect(client.generate(prompt, params))
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
     assert "".join(d.text for d in deltas) == text[:text.index(stop)]
     assert idle(await wait_for_stats(client, idle, within=5))
@@ -218,3 +222,279 @@ async def test_bad_requests_are_rejected_before_sending(client: AsyncEngineClien
         await anext(client.generate(messages=[{"role": "wizard", "content": "hi"}]))
     assert err.value.param == "messages"
     assert idle(await client.stats())
+
+
+# -- 5. a second client shares the engine; the socket is private ------------------------------
+
+
+async def test_second_client_attaches_to_the_same_engine(client: AsyncEngineClient, tiny_model: Path) -> None:
+    assert client.spawned_engine
+    second = await AsyncEngineClient.connect(EngineConfig(**engine_config(tiny_model)))
+    try:
+        assert second.engine_pid == client.engine_pid and not second.spawned_engine
+        assert second.model_info == client.model_info
+        assert (await second.stats())["num_clients"] == 2
+        deltas = await collect(second.generate("Hi", SamplingParams(temperature=0, max_tokens=4)))
+        assert deltas[-1].finished
+    finally:
+        await second.close()
+    assert (await client.stats())["num_clients"] == 1  # the spawner's engine outlives the second client
+    assert client.log_path is not None
+    loads = [line for line in client.log_path.read_text().splitlines()
+             if f" {client.engine_pid} INFO chatapp.engine.core: engine ready" in line]
+    assert len(loads) == 1  # one model load for both clients
+
+    runtime = paths.runtime_dir()
+    record = ipc.read_record(runtime)
+    assert record is not None and record.pid == client.engine_pid
+    sock_path = Path(record.socket.removeprefix("ipc://"))
+    assert sock_path.parent == runtime
+    assert stat.S_ISSOCK(sock_path.stat().st_mode)
+    assert stat.S_IMODE(sock_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
+    assert stat.S_IMODE((runtime / ipc.DISCOVERY_FILE).stat().st_mode) == 0o600
+
+
+async def test_other_model_attaches_or_refuses_as_asked(client: AsyncEngineClient, tiny_llama: Path) -> None:
+    other = EngineConfig(model=str(tiny_llama))
+    with pytest.raises(EngineModelMismatchError, match="serves"):
+        await AsyncEngineClient.connect(other, on_model_mismatch="error")
+    attached = await AsyncEngineClient.connect(other)
+    try:
+        assert attached.engine_pid == client.engine_pid
+        assert attached.model_info.name == client.model_info.name
+        assert attached.model_mismatch is not None and str(tiny_llama) in attached.model_mismatch
+    finally:
+        await attached.close()
+
+
+# -- 4. a client process that dies never leaves requests behind ---------------------------------
+
+
+async def test_killed_client_process_has_its_requests_aborted(client: AsyncEngineClient, tiny_model: Path) -> None:
+    proc, hello = await start_script({"mode": "stream", "config": engine_config(tiny_model), "num_requests": 2})
+    assert hello["attached"] == client.engine_pid
+    assert proc.stdout is not None
+    assert json.loads(await asyncio.wait_for(proc.stdout.readline(), 30)) == {"streaming": 2}
+    busy = await client.stats()
+    assert busy["num_running"] == 2 and busy["kv_blocks_used"] > 0 and busy["num_clients"] == 2
+    proc.kill()
+    await proc.wait()
+    stats = await wait_for_stats(client, idle, within=ipc.CLIENT_TIMEOUT_S + 2)
+    assert idle(stats) and stats["num_clients"] == 1, stats
+
+
+async def test_frozen_client_is_dropped_after_the_heartbeat_timeout(client: AsyncEngineClient,
+                                                                    tiny_model: Path) -> None:
+    proc, _ = await start_script({"mode": "stream", "config": engine_config(tiny_model), "num_requests": 1})
+    assert proc.stdout is not None
+    await asyncio.wait_for(proc.stdout.readline(), 30)
+    proc.send_signal(signal.SIGSTOP)  # alive (its pid stays) but silent: only the heartbeat timeout finds it
+    try:
+        stopped = time.monotonic()
+        assert (await client.stats())["num_running"] == 1
+        stats = await wait_for_stats(client, idle, within=ipc.CLIENT_TIMEOUT_S + 3)
+        assert idle(stats) and stats["num_clients"] == 1, stats
+        assert time.monotonic() - stopped >= ipc.CLIENT_TIMEOUT_S - 1  # it was the timeout, not the pid check
+    finally:
+        proc.kill()
+        proc.send_signal(signal.SIGCONT)
+        await proc.wait()
+
+
+# -- the engine survives bad input ----------------------------------------------------------------
+
+
+async def test_malformed_messages_get_errors_and_do_not_hurt_the_engine(client: AsyncEngineClient) -> None:
+    import zmq
+    import zmq.asyncio
+
+    record = ipc.read_record(paths.runtime_dir())
+    assert record is not None
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(record.socket)
+    encoder, decoder = ipc.client_codec()
+    try:
+        await sock.send(b"\x93not msgpack of ours")
+        await sock.send_multipart([b"two", b"frames"])
+        await sock.send(encoder.encode(ipc.AddRequest("bad-params", [1, 2, 3], {"temperature": -1})))
+        await sock.send(encoder.encode(ipc.AddRequest("bad-field", [1, 2, 3], {"no_such_field": 1})))
+        await sock.send(encoder.encode(ipc.AddRequest("bad-ids", [10**9], {"max_tokens": 2})))
+        await sock.send(encoder.encode(ipc.EmbedCall(7, [[]])))
+        errors: dict[str, str] = {}
+        reply = None
+        while len(errors) < 3 or reply is None:
+            msg = decoder.decode(await asyncio.wait_for(sock.recv(), 10))
+            if isinstance(msg, ipc.Outputs):
+                for out in msg.outputs:
+                    assert out.finish_reason == "error"
+                    errors[out.request_id] = out.error
+            elif isinstance(msg, ipc.Reply):
+                reply = msg
+        assert "temperature" in errors["bad-params"] and "no_such_field" in errors["bad-field"]
+        assert "token ids" in errors["bad-ids"]
+        assert reply.call_id == 7 and reply.error_kind == "invalid"
+        await sock.send(encoder.encode(ipc.Bye()))
+    finally:
+        sock.close()
+        ctx.term()
+    deltas = await collect(client.generate("Still alive?", SamplingParams(temperature=0, max_tokens=3)))
+    assert deltas[-1].finish_reason == "length"
+    assert idle(await wait_for_stats(client, lambda s: idle(s) and s["num_clients"] == 1, within=5))
+
+
+async def test_embed(client: AsyncEngineClient) -> None:
+    vectors = await client.embed(["hello world", [1, 2, 3], "hello world"])
+    assert len(vectors) == 3 and vectors[0] == vectors[2] and vectors[0] != vectors[1]
+    assert all(abs(sum(x * x for x in v) - 1) < 1e-4 for v in vectors)
+    with pytest.raises(InvalidRequestError) as err:
+        await client.embed(["fine", ""])
+    assert err.value.param == "input"
+    assert idle(await client.stats())
+
+
+# -- 3. engine death, restart, model switch: on a private engine ------------------------------
+
+
+@pytest.fixture(scope="module")
+def private_runtime(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rt")
+
+
+async def test_killed_engine_fails_every_client_fast_and_restarts(tiny_model: Path, private_runtime: Path) -> None:
+    config = EngineConfig(**engine_config(tiny_model))
+    first = AsyncEngineClient(config, runtime_dir=private_runtime)
+    second = AsyncEngineClient(config, runtime_dir=private_runtime)
+    seen: list[str] = []
+    first.add_state_listener(lambda state, detail: seen.append(state))
+    await asyncio.gather(first.start(), second.start())  # racing to an empty runtime dir: one engine
+    assert seen[0] == "starting" and "loading" in seen and seen[-1] == "ready"
+    assert second.engine_pid == first.engine_pid and first.spawned_engine != second.spawned_engine
+    if second.spawned_engine:
+        first, second = second, first
+    try:
+        started = [asyncio.Event(), asyncio.Event()]
+        failed_at: list[float] = []
+
+        async def read(c: AsyncEngineClient, event: asyncio.Event) -> None:
+            try:
+                async for _ in c.generate("Count forever:", LONG):
+                    event.set()
+            except EngineDeadError:
+                failed_at.append(time.monotonic())
+                raise
+
+        tasks = [asyncio.create_task(read(c, e)) for c, e in zip((first, second), started)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+        old_pid = first.engine_pid
+        assert old_pid is not None
+        os.kill(old_pid, signal.SIGSTOP)  # so the call below is surely still pending when the engine dies
+        pending_call = asyncio.create_task(second.stats())
+        await asyncio.sleep(0.2)
+        killed = time.monotonic()
+        os.kill(old_pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks, pending_call, return_exceptions=True), 10)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert len(failed_at) == 2 and max(failed_at) - killed < 2.0  # the fault-detection bound of the issue
+        assert first.state == second.state == "dead"
+        with pytest.raises(EngineDeadError):
+            await first.stats()
+        with pytest.raises(EngineDeadError):
+            await anext(first.generate("hi"))
+
+        await first.restart()
+        assert first.state == "ready" and first.spawned_engine and first.engine_pid != old_pid
+        await second.restart()
+        assert second.engine_pid == first.engine_pid and not second.spawned_engine
+        for c in (first, second):
+            deltas = await collect(c.generate("Hello again", SamplingParams(temperature=0, max_tokens=5)))
+            assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 5
+    finally:
+        await second.close()
+        await first.close()
+    assert first.state == "closed"
+    assert ipc.read_record(private_runtime) is None  # the engine left with its last client
+
+
+async def test_switch_model_reaches_every_client(tiny_model: Path, tiny_llama: Path, private_runtime: Path) -> None:
+    config = EngineConfig(**engine_config(tiny_model))
+    first = await AsyncEngineClient.connect(config, runtime_dir=private_runtime)
+    second = await AsyncEngineClient.connect(config, runtime_dir=private_runtime)
+    states: list[tuple[str, str]] = []
+
+    async def watch() -> None:
+        async for item in second.state_changes():
+            states.append(item)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        running = second.generate("Count forever:", LONG)
+        await anext(running)
+        with pytest.raises(InvalidRequestError) as err:
+            await first.switch_model(str(tiny_model.parent / "no-such-model"))
+        assert err.value.param == "model"
+        assert (await first.stats())["num_running"] == 1  # a bad name ends nothing
+
+        switch = asyncio.create_task(first.switch_model(str(tiny_llama)))
+        while second.state != "loading":
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineBusyError, match="not ready"):
+            await anext(second.generate("hi"))
+        info = await switch
+        assert info.name == tiny_llama.name and info.max_model_len == 2048
+        rest = await collect(running)
+        assert rest[-1].finish_reason == "error" and "switching" in (rest[-1].error or "")
+        assert first.model_info == info  # the caller has the new tokenizer when switch_model returns
+        deadline = time.monotonic() + 10  # the other client follows as soon as it has read the broadcast
+        while second.model_info != info and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert second.model_info == info and second.state == "ready"
+        assert second.tokenizer is not None and second.tokenizer is not first.tokenizer
+        assert [s for s, _ in states].count("loading") >= 1
+        llm = LLM(str(tiny_llama), num_kv_blocks=1024, max_num_seqs=32)
+        expected = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+        deltas = await collect(second.generate("Hello", SamplingParams(temperature=0, max_tokens=8)))
+        assert "".join(d.text for d in deltas) == expected
+        assert idle(await first.stats())
+    finally:
+        await first.close()
+        await second.close()
+        await asyncio.wait_for(watcher, 5)
+    assert states[-1][0] == "closed"
+
+
+async def test_a_model_that_cannot_load_fails_start_clearly(tmp_path_factory: pytest.TempPathFactory) -> None:
+    runtime = tmp_path_factory.mktemp("rt-bad")
+    c = AsyncEngineClient(EngineConfig(model=str(runtime / "missing-model")), runtime_dir=runtime)
+    with pytest.raises(InvalidRequestError, match="missing-model") as err:
+        await c.start()
+    assert err.value.param == "model" and c.state == "dead"
+    await c.close()  # reaps the engine, which left once it had told its spawner why
+    assert c.spawned_engine and ipc.read_record(runtime) is None
+
+
+async def test_engine_outlives_the_process_that_spawned_it(tiny_model: Path,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    runtime = tmp_path_factory.mktemp("rt-life")
+    spawner, hello = await start_script({"mode": "exit", "config": engine_config(tiny_model)}, runtime)
+    assert hello["spawned"]
+    c = await AsyncEngineClient.connect(EngineConfig(**engine_config(tiny_model)), runtime_dir=runtime)
+    assert c.engine_pid == hello["attached"] and not c.spawned_engine
+    try:
+        assert spawner.stdin is not None
+        spawner.stdin.write(b"exit\n")
+        assert await asyncio.wait_for(spawner.wait(), 30) == 0
+        stats = await wait_for_stats(c, lambda s: s["num_clients"] == 1, within=ipc.CLIENT_TIMEOUT_S + 2)
+        assert stats["num_clients"] == 1 and stats["engine_pid"] == c.engine_pid
+        deltas = await collect(c.generate("Still here", SamplingParams(temperature=0, max_tokens=4)))
+        assert deltas[-1].finish_reason == "length" and c.state == "ready"
+        record = ipc.read_record(runtime)
+        assert record is not None and record.pid == c.engine_pid
+    finally:
+        await c.close()
+    deadline = time.monotonic() + 10
+    while record.process() is not None and time.monotonic() < deadline:  # the last client left: it exits
+        await asyncio.sleep(0.05)
+    assert record.process() is None and ipc.read_record(runtime) is None

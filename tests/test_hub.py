@@ -42,7 +42,7 @@ def test_pull_list_info_resolve(hub: FakeHub, tiny_llama: Path) -> None:
     for name in UNWANTED:  # only what the engine needs is fetched
         assert not (snapshot / name).exists()
         assert hub.served(name) == []
-    assert (hub.cache / f"models--tiny--llama" / "refs" / "main").read_text() == hub.repos[REPO].commit
+    assert (hub.cache / "models--tiny--llama" / "refs" / "main").read_text() == hub.repos[REPO].commit
 
     code, out, _ = run_cli("models", "list")
     assert code == 0
@@ -102,6 +102,8 @@ def test_failed_pull_keeps_its_partial_file_and_the_next_pull_resumes_it(hub: Fa
 
     with pytest.raises(ModelNotFoundError, match="only partly downloaded"):
         resolve_model(REPO)
+    listed = next(line for line in run_cli("models", "list")[1].splitlines() if line.startswith(REPO))
+    assert "download interrupted; run `chatapp models pull tiny/llama` to finish it" in listed
 
     first_try = len(hub.served("model.safetensors"))
     code, _, err = run_cli("models", "pull", REPO)
@@ -257,6 +259,14 @@ def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) ->
     assert code == 0 and "memory: fits" in out, err
     code, out, err = run_cli("models", "pull", "tiny/plain-gguf:b.gguf")
     assert code == 1 and "cannot run tiny/plain-gguf:b.gguf" in err and "models rm" in err
+
+    # Removing one GGUF file keeps the repo's other one; removing the last one removes the repo.
+    code, out, err = run_cli("models", "rm", "tiny/plain-gguf:b.gguf", "--yes")
+    assert code == 0, err
+    names = [line.split()[0] for line in run_cli("models", "list")[1].splitlines()[1:]]
+    assert "tiny/plain-gguf:a.gguf" in names and "tiny/plain-gguf:b.gguf" not in names
+    assert run_cli("models", "rm", "tiny/plain-gguf:a.gguf", "--yes")[0] == 0
+    assert not (hub.cache / "models--tiny--plain-gguf").exists()
     code, _, err = run_cli("models", "pull", "tiny/gguf:missing.gguf")
     assert code == 1 and "tiny-F16.gguf" in err  # says which files there are
     code, _, err = run_cli("models", "pull", "tiny/gguf")

@@ -148,6 +148,16 @@ def test_unsupported_and_vanished_paths_are_listed_with_the_reason(home: Path, t
     assert store.registered_paths() == [gpt2]
 
 
+def test_a_broken_gguf_file_is_listed_as_unreadable(home: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 10)
+    store.remember_path(broken)
+    code, out, _ = run_cli("models", "list")
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith(str(broken)))
+    assert "unsupported: unreadable GGUF file" in row
+
+
 def test_adding_something_that_is_not_a_model_is_one_clear_line(home: Path, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     for path, message in ((tmp_path / "empty", "no config.json"), (tmp_path / "nowhere", "does not exist")):
@@ -193,7 +203,7 @@ def test_unknown_names_say_what_to_do(home: Path, spec: str, message: str) -> No
         store.resolve_model(spec)
     assert message in str(err.value)
     code, _, stderr = run_cli("models", "info", spec)
-    assert code == 1 and stderr.startswith("error: no model named") and stderr.count("\n") == 1
+    assert code == 1 and stderr.startswith("error: no local model named") and stderr.count("\n") == 1
 
 
 # --- facts and memory ----------------------------------------------------------------------

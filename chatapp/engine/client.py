@@ -79,6 +79,8 @@ HELLO_TIMEOUT_S = 15.0
 """A live engine answers a hello within milliseconds (it loads models on a helper thread)."""
 WATCH_INTERVAL_S = 0.1
 """How often the engine's pid is checked: bounds how late a death is noticed."""
+DEATH_GRACE_S = 0.25
+"""After the pid is gone, how long the engine's last messages may still be read before "dead"."""
 BYE_TIMEOUT_S = 2.0
 ENGINE_EXIT_WAIT_S = 10.0
 
@@ -118,8 +120,8 @@ class AsyncEngineClient:
         self._runtime_arg = Path(runtime_dir) if runtime_dir is not None else None
         self.state: State = "starting"
         self.state_detail = ""
-        self.model_info: ModelInfo | None = None  # type: ignore[assignment]  # set once ready
-        self.tokenizer: Tokenizer | None = None  # type: ignore[assignment]
+        self.model_info: ModelInfo | None = None  # set once ready (and again after a model switch)
+        self.tokenizer: Tokenizer | None = None  # the model's tokenizer, loaded here from model_info.path
         self.engine_pid: int | None = None
         self.spawned_engine = False  # whether this client started the engine it is attached to
         self.model_mismatch: str | None = None  # set when attached to an engine serving another model
@@ -127,7 +129,7 @@ class AsyncEngineClient:
         self._listeners: list[StateListener] = []
         self._watchers: set[asyncio.Queue[tuple[str, str]]] = set()
         self._changed = asyncio.Event()
-        self._death: EngineError | None = None
+        self._death: EngineError | InvalidRequestError | None = None  # what streams and calls raise now
         self._processor: OutputProcessor | None = None
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -161,18 +163,25 @@ class AsyncEngineClient:
             return
         self._death = None
         self._set_state("starting", "looking for a running engine")
-        for attempt in range(2):
-            try:
-                await self._attach()
-                break
-            except _EngineLeft:
-                # It exited between our reading its record and its answer; the next try spawns anew.
-                await self._teardown()
-                self._set_state("starting", "the engine left; trying again")
-                if attempt == 1:
-                    raise EngineDeadError("the engine exited while this client was attaching; retry") from None
-        while self.state not in ("ready", "dead", "closed"):
-            await self._wait_state_change()
+        try:
+            for attempt in range(2):
+                try:
+                    await self._attach()
+                    break
+                except _EngineLeft:
+                    # It exited between our reading its record and its answer; the next try spawns anew.
+                    await self._teardown()
+                    self._set_state("starting", "the engine left; trying again")
+                    if attempt == 1:
+                        raise EngineDeadError("the engine exited while this client was attaching; retry") from None
+            while self.state not in ("ready", "dead", "closed"):
+                await self._wait_state_change()
+        except BaseException as exc:  # incl. cancellation: never stay half-attached
+            await self._detach()
+            if self.state not in ("dead", "closed"):
+                self._death = exc if isinstance(exc, EngineError) else EngineDeadError(f"start failed: {exc}")
+                self._set_state("dead", str(exc))
+            raise
         if self.state != "ready":
             raise self._death or EngineDeadError("the engine client was closed while starting")
 
@@ -438,6 +447,7 @@ class AsyncEngineClient:
         """Start the engine process and wait until it has bound its socket and written its record."""
         self._set_state("starting", "starting the engine process")
         log_path = runtime / ipc.LOG_FILE
+        _rotate(log_path)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self._popen = subprocess.Popen(
@@ -529,15 +539,16 @@ class AsyncEngineClient:
                     if future is not None and not future.done():
                         future.set_result(msg)
                 case ipc.StateUpdate(state="failed"):
-                    error: EngineError = (InvalidRequestError(msg.detail, "model") if msg.error_kind == "invalid"
-                                          else EngineDeadError(msg.detail))  # type: ignore[assignment]
-                    self._die(error)
+                    self._die_failed(msg.detail, msg.error_kind)
                     return
                 case ipc.StateUpdate():
                     await self._apply_engine_state(msg.state, msg.detail, msg.info)
                 case ipc.Welcome():
                     if self._welcome is not None and not self._welcome.done():
                         self._welcome.set_result(msg)
+                    if msg.state == "failed":
+                        self._die_failed(msg.detail, msg.error_kind)
+                        return
                     await self._apply_engine_state(msg.state, msg.detail, msg.info)
                 case ipc.ByeAck():
                     if self._bye is not None and not self._bye.done():
@@ -545,6 +556,11 @@ class AsyncEngineClient:
                 case ipc.ShuttingDown():
                     self._die(EngineDeadError(f"the engine shut down: {msg.reason}"))
                     return
+
+    def _die_failed(self, detail: str, error_kind: str | None) -> None:
+        """The engine could not load its model and exits: a bad model spec is the caller's error."""
+        error = InvalidRequestError(detail, "model") if error_kind == "invalid" else EngineDeadError(detail)
+        self._die(error)
 
     def _on_outputs(self, msg: ipc.Outputs) -> None:
         processor = self._processor
@@ -559,7 +575,8 @@ class AsyncEngineClient:
                 processor.drop(out.request_id)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(EngineError(f"processing the output failed: {exc}"))
+                    stream.queue.put_nowait(OutputDelta(out.request_id, "", [], None, True, "error", None, 0, 0,
+                                                        0, error=f"processing the output failed: {exc}"))
                 if out.finish_reason is None:
                     to_abort.append(out.request_id)
                 continue
@@ -576,6 +593,9 @@ class AsyncEngineClient:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             if self._engine_proc is not None and not _alive(self._engine_proc, self._popen):
+                # Let the receiver read what the engine said last (why it failed to load, "shutting
+                # down"): that explains the death better than the bare pid does.
+                await asyncio.sleep(DEATH_GRACE_S)
                 code = self._popen.returncode if self._popen is not None else None
                 how = f" (exit code {code})" if code is not None else ""
                 self._die(EngineDeadError(f"the engine process (pid {self._engine_proc.pid}) died{how}; "
@@ -589,7 +609,7 @@ class AsyncEngineClient:
 
     # -- death and teardown --------------------------------------------------------------
 
-    def _die(self, error: EngineError) -> None:
+    def _die(self, error: EngineError | InvalidRequestError) -> None:
         """Fail every stream and call at once, drop the connection, and go to "dead"."""
         if self.state in ("dead", "closed"):
             return
@@ -601,7 +621,7 @@ class AsyncEngineClient:
         self._close_socket()
         self._set_state("dead", str(error))
 
-    def _fail_pending(self, error: BaseException) -> None:
+    def _fail_pending(self, error: Exception) -> None:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
         if self._processor is not None:
@@ -625,8 +645,8 @@ class AsyncEngineClient:
                 remaining = (await asyncio.wait_for(asyncio.shield(self._bye), BYE_TIMEOUT_S)).remaining_clients
         self._fail_pending(EngineDeadError("this engine client was closed"))
         await self._teardown()
-        if self._popen is not None and remaining == 0:
-            await self._reap(self._popen)
+        if self._popen is not None and (remaining == 0 or self.state == "dead"):
+            await self._reap(self._popen)  # it is leaving (or gone): collect it so no zombie stays
         self._popen = None
 
     async def _teardown(self) -> None:
@@ -675,6 +695,13 @@ def _alive(proc: psutil.Process, popen: subprocess.Popen[bytes] | None) -> bool:
 def _log_send_failure(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("sending to the engine failed: %s", future.exception())
+
+
+def _rotate(log_path: Path, max_bytes: int = 5 * 2**20) -> None:
+    """Keep one previous engine log; called under the discovery lock, with no engine running."""
+    with contextlib.suppress(OSError):
+        if log_path.stat().st_size > max_bytes:
+            log_path.replace(log_path.with_name(log_path.name + ".1"))
 
 
 def _tail(path: Path, lines: int = 20) -> str:

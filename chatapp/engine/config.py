@@ -39,7 +39,7 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV cache block."""
     kv_cache_memory_gib: float | None = None
-    """CPU: the KV pool's memory budget. None: a share of the machine's RAM."""
+    """CPU: the KV pool's memory budget. None: 5% of the machine's RAM, between 0.25 and 1.5 GiB."""
     gpu_memory_utilization: float = 0.9
     """GPU: the share of device memory the engine may use (weights, activations and KV pool)."""
     num_kv_blocks: int | None = None
@@ -55,8 +55,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     """auto (triton on CUDA, torch on the CPU), torch or triton."""
-    quantization: str | None = None
-    """None or "int8" (dynamic int8 linear layers, CPU)."""
+    quantization: str | None = "auto"
+    """auto (int8 on the CPU, none on a GPU), "int8" (dynamic int8 linear layers, CPU only) or None."""
     num_threads: int | None = None
     """torch intra-op threads on the CPU; None: the physical core count."""
     seed: int = 0
@@ -101,11 +101,19 @@ class EngineConfig:
         cfg.max_model_len = min(cfg.max_model_len or model_max_len, model_max_len)
         if cfg.kv_cache_memory_gib is None and not on_gpu:
             total_gib = psutil.virtual_memory().total / 2**30
-            cfg.kv_cache_memory_gib = round(max(0.25, min(4.0, 0.1 * total_gib)), 2)
+            # 1.2 GiB on this 24 GiB machine: ~27k tokens of SmolLM2 (float32 KV), enough for
+            # a dozen long chats at once without taking memory the user will miss.
+            cfg.kv_cache_memory_gib = round(max(0.25, min(1.5, 0.05 * total_gib)), 2)
         if cfg.num_threads is None:
             cfg.num_threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        if cfg.quantization in ("none", ""):
+            cfg.quantization = None
+        if cfg.quantization == "auto":
+            cfg.quantization = "int8" if cfg.device == "cpu" else None
         if cfg.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {cfg.quantization!r}")
+            raise ValueError(f"quantization must be auto, int8 or None, got {cfg.quantization!r}")
+        if cfg.quantization == "int8" and cfg.device != "cpu":
+            raise ValueError("quantization='int8' runs on the CPU only (fbgemm kernels)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")

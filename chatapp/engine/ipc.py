@@ -91,9 +91,10 @@ ClientMessage = Hello | Heartbeat | Bye | AddRequest | AbortRequests | StatsCall
 
 class Welcome(msgspec.Struct, tag=True):
     engine_pid: int
-    state: str  # "loading" or "ready"
+    state: str  # "loading", "ready" or "failed" (then the engine exits)
     detail: str
     info: ModelInfo | None
+    error_kind: str | None = None  # as in StateUpdate
 
 
 class StateUpdate(msgspec.Struct, tag=True):

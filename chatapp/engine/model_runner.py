@@ -46,15 +46,17 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(model_dir, model_config, self.dtype, self.device, config.max_model_len)
         log.info("loaded %s weights in %.2f s", model_config.architecture, time.perf_counter() - start)
-        if config.quantization == "int8":
-            from chatapp.engine.quantization import quantize_int8
-
-            quantize_int8(self.model)
         self.block_size = config.block_size
         self.num_blocks = self._choose_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.attn = self._make_attention_backend()
         self.sampler = Sampler()
+        if config.quantization == "int8":
+            from chatapp.engine.quantization import quantize_int8
+
+            start = time.perf_counter()
+            quantize_int8(self.model, lambda: self._calibrate(model_dir))
+            log.info("quantized linear layers to int8 in %.2f s", time.perf_counter() - start)
 
     # -- set-up -------------------------------------------------------------
 
@@ -107,6 +109,25 @@ class ModelRunner:
         pool = torch.zeros(mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
                            dtype=self.dtype, device=self.device)
         return [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
+
+    @torch.inference_mode()
+    def _calibrate(self, model_dir: Path) -> None:
+        """One float32 prefill of a fixed mixed text, to measure activation ranges for int8."""
+        from chatapp.engine.quantization import CALIBRATION_TEXT
+        from chatapp.engine.tokenizer import Tokenizer
+
+        ids = Tokenizer(model_dir).encode(CALIBRATION_TEXT)
+        ids = [i for i in ids if i < self.mc.vocab_size][: self.num_blocks * self.block_size]
+        n = len(ids)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(-(-n // self.block_size), dtype=torch.int32, device=self.device)[None],
+            query_lens_cpu=[n], seq_lens_cpu=[n], num_decodes=0, max_query_len=n, max_seq_len=n,
+        )
+        self.attn.begin_step(meta)
+        self.model(torch.tensor(ids, device=self.device), torch.arange(n, device=self.device), self.attn)
 
     def _make_attention_backend(self, kv_caches=None):
         kv_caches = kv_caches if kv_caches is not None else self.kv_caches

@@ -121,8 +121,9 @@ class EngineServer:
         self.core: EngineCore | None = None
         self.info: ModelInfo | None = None
         self.loader: _Loader | None = None
-        self.state = "loading"
+        self.state = "loading"  # then "ready", or "failed" when no model could be loaded
         self.detail = "starting"
+        self.failed_kind: str | None = None
         self._sent_detail = ""
         self._previous_config: EngineConfig | None = None  # to fall back to when a switch fails
         self._switch_reply: tuple[bytes, int] | None = None
@@ -159,8 +160,9 @@ class EngineServer:
             if self.sock.poll(timeout_ms):
                 self._drain()
             if self.loader is not None and not self.loader.is_alive():
-                if not self._finish_loading():
-                    return 1
+                self._finish_loading()
+            if self.state == "failed" and self._had_client:
+                return 1  # every client that came has been told why (the spawner at least)
             self._report_progress()
             self._check_clients()
             if self._idle_exit_due() and self._leave_discovery():
@@ -234,7 +236,7 @@ class EngineServer:
             case ipc.Hello():
                 if msg.model is not None and msg.model != self.record.model:
                     log.info("client %r asked for %s; it attaches to %s", identity, msg.model, self.record.model)
-                self._send(identity, ipc.Welcome(os.getpid(), self.state, self.detail, self.info))
+                self._send(identity, ipc.Welcome(os.getpid(), self.state, self.detail, self.info, self.failed_kind))
             case ipc.Heartbeat():
                 pass
             case ipc.Bye():
@@ -397,8 +399,11 @@ class EngineServer:
             self.detail = self._sent_detail = self.loader.detail
             self._broadcast(ipc.StateUpdate("loading", self.detail))
 
-    def _finish_loading(self) -> bool:
-        """Install the loaded core; False when the engine cannot go on (nothing to fall back to)."""
+    def _finish_loading(self) -> None:
+        """Install the loaded core, or fall back to the previous model, or go to "failed".
+
+        A failed engine stays until a client has heard why (the spawner may not have said hello yet).
+        """
         loader, self.loader = self.loader, None
         assert loader is not None
         if loader.core is not None:
@@ -413,7 +418,7 @@ class EngineServer:
                 self._send(identity, ipc.Reply(call_id, result=self.info))
                 self._switch_reply = None
             self._previous_config = None
-            return True
+            return
         error = f"{type(loader.error).__name__}: {loader.error}"
         kind = "invalid" if isinstance(loader.error, ValueError) else "internal"
         if self._switch_reply is not None:
@@ -424,9 +429,9 @@ class EngineServer:
             log.info("going back to the previous model")
             config, self._previous_config = self._previous_config, None
             self._start_loading(config)
-            return True
-        self._broadcast(ipc.StateUpdate("failed", f"could not load the model: {error}", error_kind=kind))
-        return False
+            return
+        self.state, self.detail, self.failed_kind = "failed", f"could not load the model: {error}", kind
+        self._broadcast(ipc.StateUpdate("failed", self.detail, error_kind=kind))
 
     def _switch_model(self, identity: bytes, msg: ipc.SwitchModelCall) -> None:
         if self.core is None:

@@ -24,10 +24,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One fused op; bit-identical to HF's x * rsqrt(mean(x^2) + eps) * w in float32.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        y = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return self.weight * y.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -45,17 +46,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        out = attn.forward(self.layer, q, k, v)
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = rope.rotate(qk, table)  # q and k in one go
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        out = attn.forward(self.layer, qk[:, : self.num_heads], qk[:, self.num_heads :], v)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -79,9 +80,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.mlp = MLP(mc)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        x = x + self.self_attn(self.input_layernorm(x), rope, table, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
         self.max_positions = max_positions
         self.rope: RotaryEmbedding | None = None
+        self.int8_lm_head: nn.Module | None = None  # set by quantize_int8
 
     def build_rope(self, dtype: torch.dtype, device: torch.device) -> None:
         mc = self.config
@@ -107,10 +109,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        table = self.rope.lookup(positions)  # once per step, shared by every layer
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn)
+            x = layer(x, self.rope, table, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.int8_lm_head is not None:
+            return self.int8_lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

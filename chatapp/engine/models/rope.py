@@ -31,7 +31,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables, indexed by each token's position."""
+    """Precomputed tables; a step looks up its positions once and every layer reuses them.
+
+    rotate_half(x) * sin equals roll(x, D/2) * [-sin, sin], so a rotation is
+    x * cos + roll(x) * signed_sin: four ops for q and k together, with the
+    same float results as Hugging Face's formula.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -39,16 +44,17 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         # float32 throughout, as Hugging Face computes it, so positions rotate identically.
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.half = head_dim // 2
+        self.register_buffer("cos", torch.cat((cos, cos), -1).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("signed_sin", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype),
+                             persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, Hkv, D] by their positions [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) shaped [T, 1, D] for a step's positions."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def rotate(self, x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x [T, heads, D] by the looked-up table."""
+        cos, sin = table
+        return x * cos + x.roll(self.half, dims=-1) * sin

@@ -1,0 +1,47 @@
+"""int8 linear layers stay close to float32 on the bundled model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatapp.engine import LLM, SamplingParams
+from chatapp.engine.quantization import Int8Linear
+from benchmarks.quality import agreement, teacher_forced_logits
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LLM, LLM]:
+    return LLM(quantization=None, kv_cache_memory_gib=0.1), LLM(quantization="int8", kv_cache_memory_gib=0.1)
+
+
+def test_int8_linear_matches_float_per_token_with_outlier_rows() -> None:
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64, 96) * 0.05, torch.randn(64)
+    x = torch.randn(5, 96)
+    x[0, 7] = 500.0  # a massive activation in one token must not wreck the others
+    layer = Int8Linear(weight, bias, outliers=torch.tensor([7]))
+    exact = x @ weight.T + bias
+    rel = (layer(x) - exact).norm(dim=1) / exact.norm(dim=1)
+    assert float(rel.max()) < 0.02
+    assert float((Int8Linear(weight, bias)(x[1:2]) - exact[1:2]).abs().max()) < 0.05  # the batch-1 path
+
+
+def test_logit_error_and_greedy_agreement_are_bounded(pair: tuple[LLM, LLM]) -> None:
+    fp32, int8 = pair
+    prompt = fp32.tokenizer.render_chat([{"role": "user", "content": "Tell me about the moon landing."},
+                                         {"role": "assistant", "content": "In 1969 Apollo 11 landed on the Moon."}],
+                                        add_generation_prompt=False)
+    a, b = teacher_forced_logits(fp32, prompt), teacher_forced_logits(int8, prompt)
+    assert float((a - b).abs().max()) < 10.0  # per-tensor activations reached 22
+    assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.85
+    result = agreement(fp32, int8, num_tokens=12)  # the benchmark's measure, on its 24 prompts
+    assert result["greedy_agreement"] > 0.88  # measured 0.93; per-tensor activations gave 0.60
+
+
+def test_int8_engine_answers_sensibly(pair: tuple[LLM, LLM]) -> None:
+    _, int8 = pair
+    out = int8.chat([{"role": "user", "content": "How do I reverse a list in Python?"}],
+                    SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "reverse" in out.outputs[0].text.lower() or "[::-1]" in out.outputs[0].text
+    assert int8.core.runner.model.int8_lm_head is not None
