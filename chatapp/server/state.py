@@ -34,16 +34,26 @@ class ServerState:
 
     @property
     def phase(self) -> str:
-        """"loading" (no client yet), "restarting" (after the engine died) or "ready"."""
+        """"ready", "loading", "restarting", "dead" or "closed".
+
+        A client may report its own ``state`` (AsyncEngineClient does:
+        starting, loading, ready, dead, closed); the protocol does not require one.
+        """
         if self.client is None:
             return "loading"
         if self._restart is not None and not self._restart.done():
             return "restarting"
-        return "ready"
+        client_state = getattr(self.client, "state", "ready")
+        if not isinstance(client_state, str) or client_state == "ready":
+            return "ready" if self.client.model_info is not None else "loading"
+        return "loading" if client_state == "starting" else client_state
 
     def engine(self) -> EngineClient:
         """The client to use now, or a 503 with Retry-After while there is none ready."""
         phase = self.phase
+        if phase == "dead":
+            self.engine_died()
+            phase = self.phase
         if phase != "ready" or self.client is None:
             raise unavailable(f"the engine is {phase}; retry shortly")
         return self.client
@@ -73,7 +83,7 @@ class ServerState:
 
     @property
     def model_info(self) -> ModelInfo | None:
-        return self.client.model_info if self.client is not None else None
+        return getattr(self.client, "model_info", None)
 
     def model_id(self) -> str:
         info = self.model_info

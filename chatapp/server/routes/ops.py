@@ -35,6 +35,9 @@ _METRICS = [
 async def _engine_stats(state: ServerState) -> tuple[str, dict[str, Any] | None]:
     """(phase, stats): asks the engine itself, so a dead engine is noticed (and restarted) here too."""
     phase = state.phase
+    if phase == "dead":
+        state.engine_died()
+        phase = state.phase
     if phase != "ready" or state.client is None:
         return phase, None
     try:
