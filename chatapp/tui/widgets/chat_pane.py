@@ -65,7 +65,6 @@ class ChatPane(Vertical):
         self._pending: list[str] = []
         self._worker: Worker[None] | None = None
         self._answer: Node | None = None
-        self._stopping = False
         # The stream in progress (one per pane at a time):
         self._stream: MarkdownStream | None = None
         self._flush_timer: Timer | None = None
@@ -214,7 +213,6 @@ class ChatPane(Vertical):
         """Stop the answer being generated (it is kept, marked incomplete); False if none is."""
         if self._worker is None or not self.busy:
             return False
-        self._stopping = True
         self._worker.cancel()
         return True
 
@@ -226,7 +224,6 @@ class ChatPane(Vertical):
         self.services.recorder.save(self.config.db_id, answer, streaming=True)
         await self.show_path()
         self.busy = True
-        self._stopping = False
         self._worker = self._generate(answer)
 
     @work(group="generate", exit_on_error=False)
