@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, cast
 from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.events import Resize
 from textual.reactive import reactive
 from textual.screen import Screen
@@ -125,7 +126,7 @@ class MainScreen(Screen[None]):
             self.active = panes.index(pane)
         try:
             tab = self.query_one(f"#tab-{pane.id}", Tab)
-        except Exception:  # the tab is added right after the pane mounts
+        except NoMatches:  # the tab is added right after the pane mounts
             return
         tab.label = self._tab_label(pane)
         self._update_status()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import TYPE_CHECKING, cast
 
 from textual import work
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 FLUSH_S = 0.05
 """How often streamed text is handed to the Markdown widget."""
+_RUN = uuid.uuid4().hex[:8]
+"""Makes request ids unique among the TUIs (processes) that share one engine."""
 SAVE_S = 0.5
 """How often a streaming answer's text so far is saved to the history."""
 
@@ -242,7 +245,7 @@ class ChatPane(Vertical):
             params = self.config.sampling_params()
             client = await self.services.client_for(self.config)
             messages = self.conversation.chat_messages(self.config.system_prompt, answer.parent)
-            gen = client.generate(messages=messages, params=params, request_id=f"tui-{answer.key}")
+            gen = client.generate(messages=messages, params=params, request_id=f"tui-{_RUN}-{answer.key}")
             try:
                 async for delta in gen:
                     n_prompt, n_out = delta.num_prompt_tokens, delta.num_output_tokens
