@@ -416,3 +416,39 @@ async def test_session_settings_validate_and_apply(tmp_path: Path) -> None:
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         session = store.get_session(pane.config.db_id)
         assert session.system_prompt == "Be brief." and session.sampling["temperature"] == 0.3
+
+
+async def test_four_fast_streams_are_batched_into_few_markdown_appends(tmp_path: Path, monkeypatch) -> None:
+    appends: list[int] = []
+    original = Markdown.append
+
+    def counting_append(self: Markdown, markdown: str):
+        appends.append(id(self))
+        return original(self, markdown)
+
+    monkeypatch.setattr(Markdown, "append", counting_append)
+    reply = "word " * 400  # 400 deltas per pane
+    client = FakeClient(reply=reply, chunk=5)
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(170, 40)) as pilot:
+        for _ in range(3):
+            await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: len(panes(app)) == 4, "four panes")
+        for pane in panes(app):
+            await send(pilot, pane, "go")
+        await wait_for(pilot, lambda: all(answered(p) for p in panes(app)), "four answers", steps=3000)
+        for pane in panes(app):
+            body = pane.view_for(pane.conversation.leaf).body
+            assert body.source == reply  # every token arrived, in order
+            assert appends.count(id(body)) <= 400 // 4  # batched: far fewer appends than deltas
+
+
+def test_keymap_from_settings_unbinds_and_reports_unknown_actions() -> None:
+    from chatapp.tui import keymap
+
+    mapping, warnings = keymap.keymap({"stop": "", "regenerate": "f7", "teleport": "f8",
+                                       "new_session": "ctrl+n"})
+    assert mapping == {"stop": keymap.UNBOUND, "regenerate": "f7"}  # ctrl+n is the settings default: ours stays
+    assert len(warnings) == 1 and "'teleport'" in warnings[0]
+    assert keymap.key_for("next_session", {"next_session": "ctrl+pagedown"}) == "ctrl+pagedown,f6"
+    assert keymap.display_key(keymap.key_for("stop", {"stop": ""})) == "(unbound)"
