@@ -45,3 +45,21 @@ def test_int8_engine_answers_sensibly(pair: tuple[LLM, LLM]) -> None:
                     SamplingParams(temperature=0, max_tokens=24))[0]
     assert "reverse" in out.outputs[0].text.lower() or "[::-1]" in out.outputs[0].text
     assert int8.core.runner.model.int8_lm_head is not None
+
+
+def test_int8_answers_do_not_depend_on_what_shares_the_batch(pair: tuple[LLM, LLM]) -> None:
+    _, int8 = pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["The history of Rome", "def quicksort(arr):", "My favourite food is", "1 2 3 4"]
+    alone = [int8.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    together = [o.outputs[0].token_ids for o in int8.generate(prompts, params)]
+    assert together == alone
+
+
+def test_int8_linear_rows_are_bitwise_batch_invariant() -> None:
+    torch.manual_seed(1)
+    layer = Int8Linear(torch.randn(48, 64) * 0.1, torch.randn(48), outliers=torch.tensor([3, 9]))
+    x = torch.randn(9, 64)
+    x[2, 3] = 300.0
+    batch = layer(x)
+    assert all(torch.equal(layer(x[i : i + 1])[0], batch[i]) for i in range(9))

@@ -20,6 +20,15 @@ token, the rest of that row rounds to zero, the sink's keys and values go
 wrong and every later token with them. Those few channels, found by the
 calibration pass, are multiplied in float32 (LLM.int8()'s decomposition).
 
+Why batch-invariant: a greedy answer should not change with whatever else the
+engine is running (a chat user regenerating with temperature 0 would notice).
+fbgemm picks the activation scale from the whole tensor's min and max, so after
+normalising each row to absmax 1 we prepend one constant anchor row [1, -1,
+0, ...]: the range is then always exactly [-1, 1], every row is quantized the
+same way whatever shares the batch, and the integer GEMM is exact. The float
+outlier channels are accumulated one by one (addcmul), whose per-element order
+does not depend on the batch either (a float matmul's does).
+
 Why SmoothQuant: other input channels carry milder outliers in every token.
 Moving part of their scale into the weights (folded into the preceding
 RMSNorm, the up projection and the value projection, so it costs nothing at
@@ -61,6 +70,19 @@ CALIBRATION_TEXT = (
 )
 
 
+_INPUT_BUFFERS: dict[int, torch.Tensor] = {}
+
+
+def _input_buffer(in_features: int, rows: int) -> torch.Tensor:
+    """A shared [1 + rows, in_features] buffer whose row 0 is the anchor [1, -1, 0, ...]."""
+    buf = _INPUT_BUFFERS.get(in_features)
+    if buf is None or buf.shape[0] < rows + 1:
+        buf = torch.zeros(max(rows + 1, 2 * (buf.shape[0] if buf is not None else 64)), in_features)
+        buf[0, 0], buf[0, 1] = 1.0, -1.0
+        _INPUT_BUFFERS[in_features] = buf
+    return buf
+
+
 class Int8Linear(nn.Module):
     """y = x @ W^T (+ b) with W prepacked as int8 (fbgemm) and x quantized per token on the fly.
 
@@ -74,7 +96,7 @@ class Int8Linear(nn.Module):
         weight = weight.detach().float()
         self.outliers = outliers if outliers is not None and outliers.numel() else None
         if self.outliers is not None:
-            self.outlier_weight_t = weight[:, self.outliers].t().contiguous()  # [k, N]
+            self.outlier_rows = [weight[:, int(c)].clone() for c in self.outliers]  # one [N] row per channel
             weight = weight.index_fill(1, self.outliers, 0.0)
         scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
         zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
@@ -86,18 +108,18 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        extra = None
+        rows = x.shape[0]
         if self.outliers is not None:
-            extra = x.index_select(1, self.outliers) @ self.outlier_weight_t
+            kept = x.index_select(1, self.outliers)
             x = x.index_fill(1, self.outliers, 0.0)
+        row_max = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-6)
+        buf = _input_buffer(self.in_features, rows)
+        torch.div(x, row_max, out=buf[1 : rows + 1])
         # reduce_range=False: with VNNI the u8 x s8 products accumulate in int32 without saturating.
-        if x.shape[0] == 1:  # one row: per-tensor already is per-token
-            y = torch.ops.quantized.linear_dynamic(x, self._packed, False)
-        else:
-            row_max = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-6)
-            y = torch.ops.quantized.linear_dynamic(x / row_max, self._packed, False).mul_(row_max)
-        if extra is not None:
-            y.add_(extra)
+        y = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self._packed, False)[1:].mul_(row_max)
+        if self.outliers is not None:
+            for i, row in enumerate(self.outlier_rows):
+                y.addcmul_(kept[:, i : i + 1], row)
         return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
