@@ -25,7 +25,7 @@ from tests.tui_helpers import answered, main_screen, panes, send, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
 
 MAX_TOKENS = 24
-LONG_TOKENS = 96
+LONG_TOKENS = 200
 PROMPTS = ["What is the capital of France?", "Name three colors."]
 STORY = "Write a long story about a dragon who learns to bake bread."
 
@@ -36,8 +36,9 @@ def reference() -> dict[str, str]:
     llm = LLM()
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     out = {p: llm.chat([{"role": "user", "content": p}], greedy)[0].outputs[0].text for p in PROMPTS}
-    out[STORY] = llm.chat([{"role": "user", "content": STORY}],
-                          SamplingParams(temperature=0, max_tokens=LONG_TOKENS))[0].outputs[0].text
+    story = llm.chat([{"role": "user", "content": STORY}], SamplingParams(temperature=0, max_tokens=LONG_TOKENS))
+    assert story[0].outputs[0].finish_reason == "length"  # long enough to be stopped half-way
+    out[STORY] = story[0].outputs[0].text
     return out
 
 
@@ -99,7 +100,7 @@ async def test_escape_stops_a_real_stream(keeper: Any, reference: dict[str, str]
         pane = panes(app)[2]
         pane.config.sampling = {"temperature": 0, "max_tokens": LONG_TOKENS}
         await send(pilot, pane, STORY)
-        await wait_for(pilot, lambda: len(pane.conversation.leaf.content) >= 20, "some text", steps=3000)
+        await wait_for(pilot, lambda: len(pane.conversation.leaf.content) >= 1, "some text", steps=3000)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not pane.busy, "stopped", steps=3000)
         answer = pane.conversation.leaf
@@ -188,7 +189,5 @@ async def test_killed_engine_shows_dead_and_restarts(keeper: Any, reference: dic
         await send(pilot, pane, PROMPTS[1])
         await wait_for(pilot, lambda: answered(pane), "answer after the restart", steps=3000)
         answer = pane.conversation.leaf
-        # Not compared with the reference: a fresh engine process is not bit-for-bit the old one
-        # (see the report); what matters here is that the restarted engine answers.
-        assert answer.status == "complete" and answer.content.strip()
+        assert answer.status == "complete" and answer.content == reference[PROMPTS[1]]
         await app.action_quit()

@@ -18,6 +18,7 @@ from typing import Any
 
 from textual import work
 from textual.app import App, SystemCommand
+from textual.css.query import NoMatches
 from textual.screen import Screen
 
 from chatapp.engine.api import EngineClient, EngineDeadError, EngineError
@@ -36,6 +37,7 @@ from chatapp.tui.screens.models import ModelScreen
 from chatapp.tui.screens.sessions import SessionsScreen
 from chatapp.tui.screens.settings import SettingsScreen
 from chatapp.tui.session_config import DEFAULT_SAMPLING, SessionConfig
+from chatapp.tui.widgets.status_bar import StatusBar
 
 log = logging.getLogger(__name__)
 
@@ -233,9 +235,10 @@ class ChatApp(App[None]):
         main = self._main()
         if main is None:
             return
-        from chatapp.tui.widgets.status_bar import StatusBar
-
-        bar = main.query_one(StatusBar)
+        try:
+            bar = main.query_one(StatusBar)
+        except NoMatches:  # the main screen is still being built
+            return
         bar.engine = snapshot
         bar.history_failing = self.recorder.failing
         bar.server_url = getattr(self._server, "url", None) if self._server is not None else None
