@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if handler is not None:
             return int(handler(args) or 0)
-        print("The TUI is not built yet; try `chatapp models list`.", file=sys.stderr)
-        return 2
+        from chatapp.tui.app import run
+
+        return run(args)
     except KeyboardInterrupt:
         return 130
 

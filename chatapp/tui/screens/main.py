@@ -1,0 +1,255 @@
+"""The main screen: session panes side by side (tabs for those that do not fit) and the status bar."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, cast
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.css.query import NoMatches
+from textual.events import Resize
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widgets import Tab, Tabs
+
+from chatapp.tui import keymap
+from chatapp.tui.code_blocks import code_blocks
+from chatapp.tui.conversation import Conversation
+from chatapp.tui.screens.rename import RenameScreen
+from chatapp.tui.screens.session_settings import SessionSettingsScreen
+from chatapp.tui.session_config import SessionConfig
+from chatapp.tui.widgets.chat_pane import ChatPane
+from chatapp.tui.widgets.status_bar import StatusBar
+
+if TYPE_CHECKING:
+    from chatapp.tui.app import ChatApp
+
+MIN_PANE_WIDTH = 40
+"""Columns a pane needs; the screen shows as many panes side by side as fit, and tabs for all."""
+
+_pane_ids = itertools.count(1)
+
+
+class MainScreen(Screen[None]):
+    """Lays out the panes and routes the chat keys to the focused one."""
+
+    BINDINGS = keymap.bindings("chat")
+
+    active: reactive[int] = reactive(0, init=False)
+    """Index of the focused pane."""
+
+    def __init__(self, sessions: list[tuple[SessionConfig, Conversation]]) -> None:
+        super().__init__()
+        self._initial = sessions
+        self._first_visible = 0
+
+    @property
+    def chat_app(self) -> ChatApp:
+        return cast("ChatApp", self.app)
+
+    def compose(self) -> ComposeResult:
+        yield Tabs(id="session-tabs")
+        with Horizontal(id="panes"):
+            for config, conversation in self._initial:
+                yield ChatPane(config, conversation, id=f"pane-{next(_pane_ids)}")
+        yield StatusBar(id="status-bar")
+
+    async def on_mount(self) -> None:
+        tabs = self.query_one(Tabs)
+        for pane in self.panes:
+            await tabs.add_tab(Tab(self._tab_label(pane), id=f"tab-{pane.id}"))
+        self._layout()
+        if self.panes:
+            self.panes[0].prompt.focus()
+
+    # -- panes -----------------------------------------------------------------------------------
+
+    @property
+    def panes(self) -> list[ChatPane]:
+        return list(self.query_one("#panes").query_children(ChatPane))
+
+    @property
+    def active_pane(self) -> ChatPane | None:
+        panes = self.panes
+        return panes[min(self.active, len(panes) - 1)] if panes else None
+
+    def _tab_label(self, pane: ChatPane) -> str:
+        return ("● " if pane.busy else "") + (pane.config.title or "Untitled")
+
+    def _layout(self) -> None:
+        """Show as many panes as fit, always including the active one."""
+        panes = self.panes
+        if not panes:
+            return
+        width = self.size.width or self.app.size.width
+        columns = max(1, min(len(panes), width // MIN_PANE_WIDTH))
+        active = min(self.active, len(panes) - 1)
+        first = min(self._first_visible, len(panes) - columns)
+        if active < first:
+            first = active
+        elif active >= first + columns:
+            first = active - columns + 1
+        self._first_visible = max(0, first)
+        for i, pane in enumerate(panes):
+            pane.display = self._first_visible <= i < self._first_visible + columns
+            pane.set_class(i == active, "active")
+        self.query_one(Tabs).display = len(panes) > 1
+        tab_id = f"tab-{panes[active].id}"
+        tabs = self.query_one(Tabs)
+        if tabs.active != tab_id:
+            tabs.active = tab_id
+
+    def on_resize(self, event: Resize) -> None:
+        self._layout()
+
+    def watch_active(self) -> None:
+        self._layout()
+        self._update_status()
+
+    def focus_pane(self, index: int) -> None:
+        panes = self.panes
+        if not panes:
+            return
+        self.active = index % len(panes)
+        self._layout()
+        self.panes[self.active].prompt.focus()
+
+    @on(ChatPane.Changed)
+    def _pane_changed(self, event: ChatPane.Changed) -> None:
+        pane = event.pane
+        panes = self.panes
+        if pane not in panes:
+            return
+        if pane.has_focus_within and panes.index(pane) != self.active:
+            self.active = panes.index(pane)
+        try:
+            tab = self.query_one(f"#tab-{pane.id}", Tab)
+        except NoMatches:  # the tab is added right after the pane mounts
+            return
+        tab.label = self._tab_label(pane)
+        self._update_status()
+
+    @on(Tabs.TabActivated)
+    def _tab_activated(self, event: Tabs.TabActivated) -> None:
+        if event.tab is None or event.tab.id is None:
+            return
+        pane_id = event.tab.id.removeprefix("tab-")
+        panes = self.panes
+        for i, pane in enumerate(panes):
+            if pane.id == pane_id and i != self.active:
+                self.focus_pane(i)
+
+    def _update_status(self) -> None:
+        pane = self.active_pane
+        bar = self.query_one(StatusBar)
+        bar.session_rate = pane.rate if pane is not None else None
+
+    async def add_pane(self, config: SessionConfig, conversation: Conversation) -> ChatPane:
+        pane = ChatPane(config, conversation, id=f"pane-{next(_pane_ids)}")
+        await self.query_one("#panes").mount(pane)
+        await self.query_one(Tabs).add_tab(Tab(self._tab_label(pane), id=f"tab-{pane.id}"))
+        self.focus_pane(len(self.panes) - 1)
+        return pane
+
+    def pane_for_session(self, session_id: int) -> ChatPane | None:
+        return next((p for p in self.panes if p.config.db_id == session_id), None)
+
+    # -- actions ------------------------------------------------------------------------------------
+
+    async def action_new_session(self) -> None:
+        config = self.chat_app.create_session_config()
+        await self.add_pane(config, Conversation())
+
+    async def action_close_session(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+        pane.stop()
+        index = self.panes.index(pane)
+        self.chat_app.recorder.update_session(pane.config.db_id, archived=True)
+        await self.query_one(Tabs).remove_tab(f"tab-{pane.id}")
+        await pane.remove()
+        if not self.panes:
+            await self.action_new_session()
+        else:
+            self.focus_pane(min(index, len(self.panes) - 1))
+        self.notify(f"Closed {pane.config.title or 'the session'}; reopen it from the sessions list.")
+
+    @work
+    async def action_rename_session(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+        title = await self.app.push_screen_wait(RenameScreen(pane.config.title))
+        if title is None:
+            return
+        pane.config.title = title
+        self.chat_app.recorder.update_session(pane.config.db_id, title=title)
+        pane.update_titles()
+
+    @work
+    async def action_session_settings(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+        new = await self.app.push_screen_wait(
+            SessionSettingsScreen(pane.config, [e.name for e in self.chat_app.settings.endpoints]))
+        if new is None:
+            return
+        pane.config = new
+        self.chat_app.recorder.update_session(new.db_id, title=new.title, model=new.model,
+                                              system_prompt=new.system_prompt, sampling=new.sampling,
+                                              backend=new.backend)
+        pane.update_titles()
+
+    def action_next_session(self) -> None:
+        self.focus_pane(self.active + 1)
+
+    def action_previous_session(self) -> None:
+        self.focus_pane(self.active - 1)
+
+    def action_stop(self) -> None:
+        pane = self.active_pane
+        if pane is not None and not pane.stop():
+            pane.cancel_edit()
+
+    async def action_regenerate(self) -> None:
+        if (pane := self.active_pane) is not None:
+            await pane.regenerate()
+
+    def action_edit_message(self) -> None:
+        if (pane := self.active_pane) is not None:
+            pane.start_edit()
+
+    async def action_previous_branch(self) -> None:
+        if (pane := self.active_pane) is not None:
+            await pane.switch_branch(-1)
+
+    async def action_next_branch(self) -> None:
+        if (pane := self.active_pane) is not None:
+            await pane.switch_branch(+1)
+
+    def action_copy_answer(self) -> None:
+        pane = self.active_pane
+        answer = pane.conversation.last("assistant") if pane is not None else None
+        if answer is None or not answer.content:
+            self.notify("There is no answer to copy yet.", severity="warning")
+            return
+        self.app.copy_to_clipboard(answer.content)
+        self.notify(f"Copied the answer ({len(answer.content)} characters).")
+
+    def action_copy_code(self) -> None:
+        pane = self.active_pane
+        answer = pane.conversation.last("assistant") if pane is not None else None
+        blocks = code_blocks(answer.content) if answer is not None else []
+        if not blocks:
+            self.notify("The last answer has no code block.", severity="warning")
+            return
+        self.app.copy_to_clipboard(blocks[-1])
+        self.notify(f"Copied the code block ({len(blocks[-1].splitlines())} lines).")
+
+    def action_export(self) -> None:
+        if (pane := self.active_pane) is not None:
+            self.chat_app.export_session(pane.config)

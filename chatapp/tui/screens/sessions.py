@@ -1,0 +1,116 @@
+"""All sessions, open or closed, with full-text search; open one as a pane or export it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Input, Label
+
+from chatapp.history import HistoryError
+
+if TYPE_CHECKING:
+    from chatapp.tui.app import ChatApp
+
+_MARK = ("\x01", "\x02")
+
+
+def highlighted(snippet: str) -> Text:
+    """A search snippet with the matched words (between the marks) in bold."""
+    text = Text()
+    bold = False
+    for part in snippet.replace(_MARK[1], _MARK[0]).split(_MARK[0]):
+        text.append(part.replace("\n", " "), style="bold reverse" if bold else "")
+        bold = not bold
+    return text
+
+
+class SessionsScreen(ModalScreen[int | None]):
+    """Returns the id of the session to show (the app opens or focuses its pane), or None."""
+
+    BINDINGS = [
+        Binding("escape", "close", "Close"),
+        Binding("down", "focus_table", "Results", show=False),
+        Binding("ctrl+s", "export", "Export", priority=True),
+    ]
+
+    @property
+    def chat_app(self) -> ChatApp:
+        return cast("ChatApp", self.app)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog wide tall"):
+            yield Label("Sessions", classes="dialog-title")
+            yield Input(placeholder="Search titles and messages…", id="search")
+            yield DataTable(id="sessions", cursor_type="row", zebra_stripes=True)
+            yield Label("Type to search · ↓ to the list · Enter opens · Ctrl+S exports (Markdown and JSON) · "
+                        "Esc closes", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("Session", "Model", "Where", "Match")
+        self._fill("")
+
+    def _fill(self, query: str) -> None:
+        table = self.query_one(DataTable)
+        table.clear()
+        store = self.chat_app.store
+        if store is None:
+            table.add_row("The history is not available in this run.", "", "", "")
+            return
+        try:
+            sessions = {s.id: s for s in store.list_sessions(include_archived=True)}
+            rows: list[tuple[int, Text]] = []
+            if query.strip():
+                rows = [(hit.session_id, highlighted(hit.snippet)) for hit in store.search(query, mark=_MARK)]
+            else:
+                rows = [(sid, Text("")) for sid in sessions]
+        except HistoryError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        for sid, match in rows:
+            s = sessions.get(sid)
+            if s is None:
+                continue
+            where = "open" if not s.archived else "closed"
+            model = s.model or ("local engine" if s.backend.kind == "local" else "remote")
+            table.add_row(Text(s.title or "Untitled"), Text(model), where, match, key=str(sid))
+
+    @on(Input.Changed, "#search")
+    def _search(self, event: Input.Changed) -> None:
+        self._fill(event.value)
+
+    @on(Input.Submitted, "#search")
+    def _submitted(self) -> None:
+        self.action_focus_table()
+
+    def action_focus_table(self) -> None:
+        self.query_one(DataTable).focus()
+
+    def _selected(self) -> int | None:
+        table = self.query_one(DataTable)
+        if table.row_count == 0:
+            return None
+        key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        return int(key) if key and key.isdigit() else None
+
+    @on(DataTable.RowSelected)
+    def _open(self) -> None:
+        sid = self._selected()
+        if sid is not None:
+            self.dismiss(sid)
+
+    def action_export(self) -> None:
+        sid = self._selected()
+        if sid is None:
+            self.notify("Pick a session first (↓ then arrows).", severity="warning")
+            return
+        self.chat_app.export_by_id(sid)
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,76 @@
+"""What one pane is set up with: title, model, system prompt, sampling, local or remote backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from chatapp.engine.sampling_params import SamplingParams
+from chatapp.history import Backend, Session
+
+DEFAULT_SAMPLING: dict[str, Any] = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 1024}
+"""New sessions start with these; a pane's settings screen changes them per session."""
+
+SAMPLING_FIELDS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                                    "max_tokens": int, "seed": int, "repetition_penalty": float,
+                                    "presence_penalty": float, "frequency_penalty": float}
+"""The sampling parameters a session may set (a subset of SamplingParams), with their types."""
+
+
+class SessionConfigError(ValueError):
+    """A session setting that cannot be used; the message says which and why."""
+
+
+@dataclass
+class SessionConfig:
+    """A pane's settings. ``db_id`` is None until the session is saved (or when history is off)."""
+
+    title: str
+    model: str | None = None
+    """For a remote session: the model name to ask the server for. Local sessions use the engine's model."""
+    system_prompt: str = ""
+    sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
+    backend: Backend = field(default_factory=Backend.local)
+    db_id: int | None = None
+
+    @classmethod
+    def from_session(cls, session: Session) -> SessionConfig:
+        return cls(session.title, session.model, session.system_prompt, dict(session.sampling), session.backend,
+                   session.id)
+
+    @property
+    def is_remote(self) -> bool:
+        return self.backend.kind == "remote"
+
+    def sampling_params(self) -> SamplingParams:
+        """The engine's SamplingParams; unknown or invalid values raise SessionConfigError."""
+        known = {k: v for k, v in self.sampling.items() if k in SAMPLING_FIELDS and v is not None}
+        try:
+            return SamplingParams(**known)
+        except (TypeError, ValueError) as exc:
+            raise SessionConfigError(f"session {self.title!r}: bad sampling setting: {exc}") from None
+
+    def copy(self, **changes: Any) -> SessionConfig:
+        return replace(self, **changes)
+
+
+def parse_sampling(values: dict[str, str]) -> dict[str, Any]:
+    """Form text -> sampling dict ('' drops a field); raises SessionConfigError naming the field."""
+    out: dict[str, Any] = {}
+    for name, text in values.items():
+        text = text.strip()
+        if not text:
+            continue
+        kind = SAMPLING_FIELDS.get(name)
+        if kind is None:
+            raise SessionConfigError(f"unknown sampling setting {name!r}")
+        try:
+            out[name] = kind(text)
+        except ValueError:
+            raise SessionConfigError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
+                                     f"got {text!r}") from None
+    try:
+        SamplingParams(**out)
+    except (TypeError, ValueError) as exc:
+        raise SessionConfigError(str(exc)) from None
+    return out

@@ -1,0 +1,331 @@
+"""One chat session: its messages, its prompt box, and the worker streaming its answer.
+
+Why it streams this way: the engine call runs in a Textual worker, which only
+appends each delta's text to a list; the first text after a flush arms a
+one-shot timer (``FLUSH_S``) that hands what has gathered to the Markdown
+widget's stream in one piece, and the partial answer is saved to the history
+at most every ``SAVE_S``. The UI therefore does a bounded amount of work per
+frame, however many panes stream and however fast, and none while nothing
+arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, cast
+
+from textual import work
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.reactive import reactive
+from textual.timer import Timer
+from textual.widgets import Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+from textual.worker import Worker
+
+from chatapp.engine.api import EngineDeadError, EngineError, InvalidRequestError
+from chatapp.history import Metrics
+from chatapp.tui.conversation import Conversation, Node
+from chatapp.tui.session_config import SessionConfig, SessionConfigError
+from chatapp.tui.widgets.message_view import MessageView
+from chatapp.tui.widgets.prompt_input import PromptInput
+
+if TYPE_CHECKING:
+    from chatapp.tui.services import ChatServices
+
+FLUSH_S = 0.05
+"""How often streamed text is handed to the Markdown widget."""
+_RUN = uuid.uuid4().hex[:8]
+"""Makes request ids unique among the TUIs (processes) that share one engine."""
+SAVE_S = 0.5
+"""How often a streaming answer's text so far is saved to the history."""
+
+
+class ChatPane(Vertical):
+    """A session pane. The main screen lays panes out and routes keys to the focused one."""
+
+    class Changed(Message):
+        """Title, busy state or rate changed: the tab bar and status bar redraw."""
+
+        def __init__(self, pane: ChatPane) -> None:
+            super().__init__()
+            self.pane = pane
+
+    busy: reactive[bool] = reactive(False)
+    """An answer is being generated."""
+    rate: reactive[float | None] = reactive(None)
+    """Tokens per second of the answer being written, else of the last one shown."""
+    editing: reactive[Node | None] = reactive(None, init=False)
+    """The user message being edited (Enter resends it as a new branch)."""
+
+    def __init__(self, config: SessionConfig, conversation: Conversation, *, id: str | None = None) -> None:
+        super().__init__(id=id, classes="chat-pane")
+        self.config = config
+        self.conversation = conversation
+        self._pending: list[str] = []
+        self._worker: Worker[None] | None = None
+        self._answer: Node | None = None
+        # The stream in progress (one per pane at a time):
+        self._stream: MarkdownStream | None = None
+        self._flush_timer: Timer | None = None
+        self._save_timer: Timer | None = None
+        self._last_save = 0.0
+        self._first_token: float | None = None
+        self._n_out = 0
+
+    # -- layout -------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield VerticalScroll(classes="message-log")
+        yield Static("", classes="pane-notice")
+        yield PromptInput(placeholder="Message (Enter sends, Ctrl+J new line)", id=f"{self.id}-prompt")
+
+    @property
+    def services(self) -> ChatServices:
+        return cast("ChatServices", self.app)
+
+    @property
+    def log_view(self) -> VerticalScroll:
+        return self.query_one(".message-log", VerticalScroll)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    async def on_mount(self) -> None:
+        self.update_titles()
+        await self.show_path()
+        self.log_view.anchor()
+
+    def update_titles(self) -> None:
+        self.border_title = self.config.title or "Untitled"
+        if self.config.is_remote:
+            where = self.config.backend.endpoint or self.config.backend.base_url or "remote"
+            self.border_subtitle = f"{self.config.model or '?'} @ {where}"
+        else:
+            self.border_subtitle = self.services.local_model_name() or "local engine"
+        self.post_message(self.Changed(self))
+
+    async def show_path(self) -> None:
+        """Rebuild the message views for the shown branch (not per token: on send, switch, load)."""
+        log = self.log_view
+        views = [MessageView(node, self.conversation.branch(node)) for node in self.conversation.path()]
+        async with self.batch():
+            await log.remove_children()
+            await log.mount_all(views)
+        last = self.conversation.last("assistant")
+        self.rate = last.metrics.tokens_per_second if last and last.metrics else None
+        log.scroll_end(animate=False)
+
+    def notice(self, text: str) -> None:
+        """A one-line note above the prompt (model switched, editing, errors)."""
+        self.query_one(".pane-notice", Static).update(text)
+        self.set_class(bool(text), "has-notice")
+
+    def view_for(self, node: Node) -> MessageView | None:
+        return next((v for v in self.log_view.query(MessageView) if v.node is node), None)
+
+    def on_descendant_focus(self) -> None:
+        self.post_message(self.Changed(self))
+
+    def watch_busy(self) -> None:
+        self.set_class(self.busy, "busy")
+        self.post_message(self.Changed(self))
+
+    def watch_rate(self) -> None:
+        self.post_message(self.Changed(self))
+
+    def watch_editing(self, node: Node | None) -> None:
+        self.notice("Editing your message: Enter sends it as a new branch, Esc cancels." if node else "")
+
+    # -- user actions (called by the main screen) -------------------------------------------------
+
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        event.stop()
+        await self.send(event.text)
+
+    async def send(self, text: str) -> bool:
+        """Add the user's message (or the edit of one) and start the answer; False if refused."""
+        if self.busy:
+            self.app.notify("This session is still answering; press Esc to stop it first.", severity="warning")
+            return False
+        editing = self.editing
+        parent = editing.parent if editing is not None else self.conversation.leaf
+        if parent is not None and parent.role == "user":
+            # The last answer failed before it was saved: answer this message again rather than
+            # stacking two user messages.
+            parent = parent.parent
+        user = self.conversation.add(parent, "user", text)
+        self.services.recorder.save(self.config.db_id, user)
+        self.editing = None
+        self.prompt.clear()
+        await self.start_answer(user)
+        return True
+
+    async def regenerate(self) -> None:
+        """A new answer to the last question, as a sibling of the old one."""
+        if self.busy:
+            self.app.notify("Stop the current answer first (Esc).", severity="warning")
+            return
+        leaf = self.conversation.leaf
+        question = leaf.parent if leaf is not None and leaf.role == "assistant" else leaf
+        if question is None or question.role != "user":
+            self.app.notify("There is no answer to regenerate yet.", severity="warning")
+            return
+        await self.start_answer(question)
+
+    def start_edit(self) -> None:
+        """Put the last user message in the prompt box; Enter then sends it as a sibling."""
+        if self.busy:
+            self.app.notify("Stop the current answer first (Esc).", severity="warning")
+            return
+        node = self.conversation.last("user")
+        if node is None:
+            self.app.notify("There is no message of yours to edit.", severity="warning")
+            return
+        self.editing = node
+        self.prompt.text = node.content
+        self.prompt.move_cursor(self.prompt.document.end)
+        self.prompt.focus()
+
+    def cancel_edit(self) -> bool:
+        if self.editing is None:
+            return False
+        self.editing = None
+        self.prompt.clear()
+        return True
+
+    async def switch_branch(self, step: int) -> None:
+        """Show the previous (-1) or next (+1) branch of the deepest turn that has several."""
+        if self.busy:
+            self.app.notify("Stop the current answer first (Esc).", severity="warning")
+            return
+        point = self.conversation.branch_point()
+        if point is None:
+            self.app.notify("This conversation has no other branches.", severity="information")
+            return
+        if self.conversation.switch(point, step) is None:
+            return
+        self.services.recorder.select_leaf(self.config.db_id, self.conversation.leaf)
+        await self.show_path()
+
+    def stop(self) -> bool:
+        """Stop the answer being generated (it is kept, marked incomplete); False if none is."""
+        if self._worker is None or not self.busy:
+            return False
+        self._worker.cancel()
+        return True
+
+    # -- streaming --------------------------------------------------------------------------
+
+    async def start_answer(self, question: Node) -> None:
+        model = self.config.model if self.config.is_remote else self.services.local_model_name()
+        answer = self.conversation.add(question, "assistant", "", status="streaming", model=model)
+        self.services.recorder.save(self.config.db_id, answer, streaming=True)
+        await self.show_path()
+        self.busy = True
+        self._worker = self._generate(answer)
+
+    @work(group="generate", exit_on_error=False)
+    async def _generate(self, answer: Node) -> None:
+        view = self.view_for(answer)
+        assert view is not None
+        self._stream = Markdown.get_stream(view.body)
+        self._answer = answer
+        self._pending = []
+        self._last_save = started = time.monotonic()
+        self._first_token = None
+        n_prompt = n_out = 0
+        finish: str | None = None
+        error: str | None = None
+        try:
+            params = self.config.sampling_params()
+            client = await self.services.client_for(self.config)
+            messages = self.conversation.chat_messages(self.config.system_prompt, answer.parent)
+            gen = client.generate(messages=messages, params=params, request_id=f"tui-{_RUN}-{answer.key}")
+            try:
+                async for delta in gen:
+                    n_prompt, n_out = delta.num_prompt_tokens, delta.num_output_tokens
+                    self._n_out = n_out
+                    if delta.text:
+                        if self._first_token is None:
+                            self._first_token = time.monotonic()
+                        answer.content += delta.text
+                        self._pending.append(delta.text)
+                        if self._flush_timer is None:
+                            self._flush_timer = self.set_timer(FLUSH_S, self._flush)
+                    if delta.finished:
+                        finish, error = delta.finish_reason, delta.error
+            finally:
+                aclose = getattr(gen, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+        except asyncio.CancelledError:
+            finish = "abort"
+        except EngineDeadError as exc:
+            finish, error = "error", str(exc) or "the engine died"
+            if not self.config.is_remote:
+                self.services.engine_died(error)
+        except (EngineError, InvalidRequestError, SessionConfigError) as exc:
+            finish, error = "error", str(exc)
+        finally:
+            await self._end_stream(answer, view, finish, error, started, n_prompt, n_out)
+
+    async def _flush(self) -> None:
+        """Hand the text gathered since the last flush to the Markdown stream, in one piece."""
+        self._flush_timer = None
+        if self._pending and self._stream is not None:
+            text = "".join(self._pending)
+            self._pending.clear()
+            await self._stream.write(text)
+        now = time.monotonic()
+        if self._first_token is not None and now > self._first_token:
+            self.rate = self._n_out / (now - self._first_token)
+        if self._save_timer is None:
+            delay = max(0.0, SAVE_S - (now - self._last_save))
+            self._save_timer = self.set_timer(delay, self._save_partial)
+
+    def _save_partial(self) -> None:
+        """Save the streaming answer's text so far (at most every SAVE_S, and only after new text)."""
+        self._save_timer = None
+        if self._answer is not None:
+            self._last_save = time.monotonic()
+            self.services.recorder.update_partial(self.config.db_id, self._answer)
+
+    async def _end_stream(self, answer: Node, view: MessageView, finish: str | None, error: str | None,
+                          started: float, n_prompt: int, n_out: int) -> None:
+        """Deliver the last text, record the outcome and metrics, and save the answer for good."""
+        ended = time.monotonic()
+        first = self._first_token
+        for timer in (self._flush_timer, self._save_timer):
+            if timer is not None:
+                timer.stop()
+        self._flush_timer = self._save_timer = None
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            if self._pending:
+                await stream.write("".join(self._pending))
+                self._pending.clear()
+            try:
+                await stream.stop()
+            except asyncio.CancelledError:
+                pass  # its task was cancelled before it first ran (the stream ended at once)
+        if view.body.source != answer.content:
+            await view.body.update(answer.content)  # whatever the stream could not deliver
+        answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete",
+                         None: "incomplete"}.get(finish, "error")
+        if answer.status == "error":
+            answer.error = error or "the answer failed"
+        answer.metrics = Metrics(
+            n_prompt or None, n_out or None,
+            (n_out - 1) / (ended - first) if first is not None and n_out > 1 and ended > first else None,
+            (first - started) * 1000 if first is not None else None)
+        self.services.recorder.finish(self.config.db_id, answer)
+        self.rate = answer.metrics.tokens_per_second
+        view.refresh_meta()
+        self._answer = None
+        self._worker = None
+        self.busy = False

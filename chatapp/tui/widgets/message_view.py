@@ -1,0 +1,73 @@
+"""One message of a pane: who wrote it, which branch it is, the Markdown text, and an answer's numbers."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Markdown, Static
+
+from chatapp.history import Metrics
+from chatapp.tui.conversation import Branch, Node
+
+_STATUS_LABELS = {"streaming": "writing…", "incomplete": "incomplete", "error": "error"}
+
+
+def metrics_line(metrics: Metrics | None) -> str:
+    """'87.3 tok/s · 42 tokens · 0.21 s to first token', as LM Studio shows under an answer."""
+    if metrics is None:
+        return ""
+    parts = []
+    if metrics.tokens_per_second is not None:
+        parts.append(f"{metrics.tokens_per_second:.1f} tok/s")
+    if metrics.completion_tokens is not None:
+        parts.append(f"{metrics.completion_tokens} tokens")
+    if metrics.ttft_ms is not None:
+        parts.append(f"{metrics.ttft_ms / 1000:.2f} s to first token")
+    return " · ".join(parts)
+
+
+class MessageView(Vertical):
+    """Renders a :class:`Node`; the pane streams into :attr:`body` while an answer is written."""
+
+    def __init__(self, node: Node, branch: Branch) -> None:
+        super().__init__(classes=f"message {node.role} status-{node.status}")
+        self.node = node
+        self.branch = branch
+
+    def compose(self) -> ComposeResult:
+        yield Static(self._header(), classes="message-header")
+        yield Markdown(self.node.content, classes="message-body")
+        if self.node.role == "assistant":
+            yield Static(self._footer(), classes="message-footer")
+
+    @property
+    def body(self) -> Markdown:
+        return self.query_one(".message-body", Markdown)
+
+    def _header(self) -> Text:
+        node = self.node
+        who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(node.role, node.role)
+        text = Text(who, style="bold")
+        if node.role == "assistant" and node.model:
+            text.append(f" · {node.model}", style="dim")
+        if self.branch.count > 1:
+            text.append(f"  ‹ {self.branch.index + 1}/{self.branch.count} ›", style="bold")
+        label = _STATUS_LABELS.get(node.status)
+        if label:
+            text.append(f"  {label}", style="italic")
+        return text
+
+    def _footer(self) -> Text:
+        node = self.node
+        if node.status == "error" and node.error:
+            return Text(f"⚠ {node.error}", style="bold")
+        return Text(metrics_line(node.metrics), style="dim")
+
+    def refresh_meta(self) -> None:
+        """Redraw the header and footer after the node's status, branch or metrics changed."""
+        self.remove_class(*(f"status-{s}" for s in ("complete", "streaming", "incomplete", "error")))
+        self.add_class(f"status-{self.node.status}")
+        self.query_one(".message-header", Static).update(self._header())
+        if self.node.role == "assistant":
+            self.query_one(".message-footer", Static).update(self._footer())

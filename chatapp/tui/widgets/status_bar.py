@@ -1,0 +1,49 @@
+"""The line at the bottom: engine state, model, device, KV cache, prefix hits, speed, API port, history."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.reactive import reactive
+from textual.widget import Widget
+
+from chatapp.tui.engine_link import EngineSnapshot
+
+_STATE_STYLES = {"ready": "bold green", "busy": "bold yellow", "starting": "bold cyan", "loading": "bold cyan",
+                 "dead": "bold white on red", "off": "dim"}
+
+
+class StatusBar(Widget):
+    """Draws reactives set by the main screen; holds no logic of its own."""
+
+    engine: reactive[EngineSnapshot] = reactive(EngineSnapshot("starting"), layout=False)
+    session_rate: reactive[float | None] = reactive(None)
+    server_url: reactive[str | None] = reactive(None)
+    history_failing: reactive[bool] = reactive(False)
+    restart_key: reactive[str] = reactive("F10")
+    help_key: reactive[str] = reactive("F1")
+
+    def render(self) -> Text:
+        e = self.engine
+        state = e.state
+        if state in ("starting", "loading") and e.progress is not None:
+            state = f"{state} {e.progress:.0%}"
+        text = Text()
+        text.append(f" {state} ", style=_STATE_STYLES.get(e.state, "bold"))
+        if e.state == "dead":
+            text.append(f" {self.restart_key} restarts", style="bold")
+        elif e.detail and e.state in ("starting", "loading"):
+            text.append(f" {e.detail[:40]}", style="italic")
+        parts = [e.model or "no model"]
+        if e.device:
+            parts.append(e.device)
+        if e.kv_used is not None:
+            parts.append(f"KV {e.kv_used:.0%}")
+        if e.prefix_hit_rate is not None:
+            parts.append(f"prefix hits {e.prefix_hit_rate:.0%}")
+        parts.append(f"{self.session_rate:.1f} tok/s" if self.session_rate is not None else "– tok/s")
+        parts.append(f"API {self.server_url}" if self.server_url else "API off")
+        text.append("  " + " │ ".join(parts))
+        if self.history_failing:
+            text.append("  ⚠ history not saved", style="bold red")
+        text.append(f"  {self.help_key} help", style="dim")
+        return text
