@@ -98,15 +98,17 @@ async def test_escape_stops_a_real_stream(keeper: Any, reference: dict[str, str]
         await pilot.press("ctrl+n")
         await wait_for(pilot, lambda: len(panes(app)) == 3, "a third pane")
         pane = panes(app)[2]
-        pane.config.sampling = {"temperature": 0, "max_tokens": LONG_TOKENS}
+        # Far more than the reference's 200 tokens: the stream cannot end before Escape lands.
+        pane.config.sampling = {"temperature": 0, "max_tokens": 10 * LONG_TOKENS}
         await send(pilot, pane, STORY)
         await wait_for(pilot, lambda: len(pane.conversation.leaf.content) >= 1, "some text", steps=3000)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not pane.busy, "stopped", steps=3000)
         answer = pane.conversation.leaf
         assert answer.status == "incomplete"
-        assert answer.content and reference[STORY].startswith(answer.content)
-        assert len(answer.content) < len(reference[STORY])
+        shown, expected = answer.content, reference[STORY]
+        common = min(len(shown), len(expected))
+        assert shown and shown[:common] == expected[:common]  # the same greedy text, cut short
         stats = await keeper.stats()
         assert stats["num_running"] == 0  # the abort reached the engine
         await app.action_quit()
