@@ -71,6 +71,11 @@ class TorchAttentionBackend:
         self.scale = head_dim**-0.5
         self._meta: AttentionMetadata | None = None
 
+    @property
+    def kernels(self):
+        """Our compiled CPU extension, or None when running the pure-torch path."""
+        return self._kernels
+
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._meta = meta
         if self._kernels is None:

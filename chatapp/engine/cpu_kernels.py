@@ -1,4 +1,4 @@
-"""Our C++ CPU kernels, compiled on first use and cached.
+"""Our C++ CPU code, compiled on first use and cached: paged attention and the layer loop.
 
 They are optional: where no compiler is available (or CHATAPP_NO_CPU_KERNELS=1
 is set) the torch backend falls back to its pure-torch path, which computes
@@ -17,7 +17,8 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "cpu_forward.cpp"]
 # -ffp-contract=off: no fused multiply-adds, so vectorised and scalar loops round alike
 # (the kernel's results must not depend on how rows are tiled).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -35,13 +36,13 @@ def load() -> ModuleType | None:
 
         # Built with -march=native: key the build on the source, the flags and this machine's CPU.
         cpu = platform.processor() + _cpu_flags()
-        key = _SOURCE.read_text() + " ".join(_CFLAGS) + cpu
+        key = "".join(p.read_text() for p in sorted(_CSRC.iterdir())) + " ".join(_CFLAGS) + cpu
         tag = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
         build_dir = paths.cache_dir() / "torch_extensions" / f"cpu_kernels_{tag}"
         build_dir.mkdir(parents=True, exist_ok=True)
         return load_extension(
             name=f"chatapp_cpu_kernels_{tag}",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

@@ -8,11 +8,13 @@
 // Why one kernel for every query length: a token's result must not depend on
 // how its prompt was chunked or what shared the batch, or greedy answers change
 // with load. Each query row's arithmetic here is the same whatever tile it is
-// computed in: scores accumulate over the head dimension in a fixed order (query
-// rows sit in vector lanes, so there is no horizontal reduction), the softmax
-// runs over exactly the row's own keys, and values accumulate in position order.
+// computed in: every score is a dot product with one fixed reduction tree, the
+// softmax runs over exactly the row's own keys (exp vectorised elementwise, the
+// sum taken in position order), and values accumulate in position order.
 // Built with -ffp-contract=off so vector and scalar code round alike.
-#include <torch/extension.h>
+#include "paged_attention_cpu.h"
+#include "vec16.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -21,11 +23,52 @@
 
 namespace {
 
-constexpr int kLanes = 16;  // query vectors (token, head) per tile
-
 struct Task {
   int64_t request, kv_head, first_vector, num_vectors;
 };
+
+// Scores of up to 16 query rows against one key. For head sizes of C * 16 floats the key stays in
+// registers across the rows; the arithmetic is dot()'s, term for term (see vec16.h).
+template <int C>
+inline void score_rows(const float* key, const float* const* qrow, const int64_t* last, int64_t nv, int64_t pos,
+                       float fscale, float* scores, int64_t stride, int64_t D) {
+  if constexpr (C == 0) {
+    for (int64_t l = 0; l < nv; ++l)
+      if (pos <= last[l]) scores[l * stride + pos] = dot(qrow[l], key, D) * fscale;
+  } else {
+    v16 k[C];
+    for (int c = 0; c < C; ++c) k[c] = load(key + c * kLanes);
+    for (int64_t l = 0; l < nv; ++l) {
+      if (pos > last[l]) continue;
+      v16 acc = splat(0.f);
+      for (int c = 0; c < C; ++c) acc = acc + load(qrow[l] + c * kLanes) * k[c];
+      scores[l * stride + pos] = hsum(acc) * fscale;
+    }
+  }
+}
+
+// out = sum over p < n, in order, of (s[p] * inv) * v_p; the accumulator stays in registers for C * 16 floats.
+template <int C, typename SlotFn>
+inline void weighted_values(const float* s, int64_t n, float inv, const float* vp, SlotFn slot, int64_t offset,
+                            float* out, int64_t D) {
+  if constexpr (C == 0) {
+    std::fill(out, out + D, 0.f);
+    for (int64_t p = 0; p < n; ++p) {
+      const float* value = vp + slot(p) + offset;
+      const float w = s[p] * inv;
+      for (int64_t d = 0; d < D; ++d) out[d] += w * value[d];
+    }
+  } else {
+    v16 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = splat(0.f);
+    for (int64_t p = 0; p < n; ++p) {
+      const float* value = vp + slot(p) + offset;
+      const v16 w = splat(s[p] * inv);
+      for (int c = 0; c < C; ++c) acc[c] = acc[c] + w * load(value + c * kLanes);
+    }
+    for (int c = 0; c < C; ++c) store(out + c * kLanes, acc[c]);
+  }
+}
 
 }  // namespace
 
@@ -69,62 +112,63 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t row = Hkv * D;  // floats between consecutive token slots
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qt(D * kLanes), scores, acc(kLanes * D);
+    std::vector<float> scores, acc(D);
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
       const int64_t b = task.request, q_len = qsl[b + 1] - qsl[b], start = lens[b] - q_len;
+      const int64_t nv = task.num_vectors;
       int64_t last[kLanes], token[kLanes], head[kLanes];
+      const float* qrow[kLanes];
       int64_t num_keys = 0;
-      std::fill(qt.begin(), qt.end(), 0.f);
-      for (int64_t l = 0; l < task.num_vectors; ++l) {
+      for (int64_t l = 0; l < nv; ++l) {
         const int64_t vec = task.first_vector + l, i = vec / G;
         token[l] = qsl[b] + i;
         head[l] = task.kv_head * G + vec % G;
         last[l] = start + i;  // this row attends keys 0..last
+        qrow[l] = qp + (token[l] * H + head[l]) * D;
         num_keys = std::max(num_keys, last[l] + 1);
-        const float* src = qp + (token[l] * H + head[l]) * D;
-        for (int64_t d = 0; d < D; ++d) qt[d * kLanes + l] = src[d];
       }
       const int32_t* table = tables + b * max_blocks;
       auto slot = [&](int64_t pos) { return (static_cast<int64_t>(table[pos / bs]) * bs + pos % bs) * row; };
 
-      scores.resize(kLanes * num_keys);
-      for (int64_t pos = 0; pos < num_keys; ++pos) {  // scores[lane][pos] = q_lane . k_pos * scale
+      // Scores, row by row in a [lanes][keys] buffer: each key is read once for the whole tile.
+      const int64_t stride = (num_keys + kLanes - 1) / kLanes * kLanes;
+      scores.assign(nv * stride, 0.f);
+      for (int64_t pos = 0; pos < num_keys; ++pos) {
         const float* key = kp + slot(pos) + task.kv_head * D;
-        float s[kLanes] = {0.f};
-        for (int64_t d = 0; d < D; ++d) {
-          const float kd = key[d];
-          const float* qd = qt.data() + d * kLanes;
-          for (int l = 0; l < kLanes; ++l) s[l] += qd[l] * kd;
-        }
-        for (int l = 0; l < kLanes; ++l) scores[l * num_keys + pos] = s[l] * fscale;
+        if (D == 64)
+          score_rows<4>(key, qrow, last, nv, pos, fscale, scores.data(), stride, D);
+        else if (D == 128)
+          score_rows<8>(key, qrow, last, nv, pos, fscale, scores.data(), stride, D);
+        else
+          score_rows<0>(key, qrow, last, nv, pos, fscale, scores.data(), stride, D);
       }
-      for (int64_t l = 0; l < task.num_vectors; ++l) {  // softmax over the row's own keys
-        float* s = scores.data() + l * num_keys;
+      for (int64_t l = 0; l < nv; ++l) {
+        float* s = scores.data() + l * stride;
         const int64_t n = last[l] + 1;
         const float m = *std::max_element(s, s + n);
-        float sum = 0.f;
-        for (int64_t pos = 0; pos < n; ++pos) sum += (s[pos] = std::exp(s[pos] - m));
-        const float inv = 1.f / sum;
-        for (int64_t pos = 0; pos < n; ++pos) s[pos] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t pos = 0; pos < num_keys; ++pos) {  // out_lane = sum over pos of w * v_pos, in order
-        const float* value = vp + slot(pos) + task.kv_head * D;
-        for (int64_t l = 0; l < task.num_vectors; ++l) {
-          if (pos > last[l]) continue;
-          const float w = scores[l * num_keys + pos];
-          float* a = acc.data() + l * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += w * value[d];
+        int64_t pos = 0;
+        for (; pos + kLanes <= n; pos += kLanes) store(s + pos, vexp(load(s + pos) - splat(m)));
+        if (pos < n) {  // the tail through the same vector code
+          float tail[kLanes] = {0.f};
+          std::copy(s + pos, s + n, tail);
+          const v16 e = vexp(load(tail) - splat(m));
+          for (int64_t j = 0; pos + j < n; ++j) s[pos + j] = e[j];
         }
+        float sum = 0.f;
+        for (int64_t p = 0; p < n; ++p) sum += s[p];  // in position order
+        const float inv = 1.f / sum;
+        // out = sum over the row's keys, in position order, of weight * v.
+        const int64_t offset = task.kv_head * D;
+        if (D == 64)
+          weighted_values<4>(s, n, inv, vp, slot, offset, acc.data(), D);
+        else if (D == 128)
+          weighted_values<8>(s, n, inv, vp, slot, offset, acc.data(), D);
+        else
+          weighted_values<0>(s, n, inv, vp, slot, offset, acc.data(), D);
+        std::copy(acc.begin(), acc.end(), op + (token[l] * H + head[l]) * D);
       }
-      for (int64_t l = 0; l < task.num_vectors; ++l)
-        std::copy(acc.data() + l * D, acc.data() + (l + 1) * D, op + (token[l] * H + head[l]) * D);
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU, float32)");
 }

@@ -1,0 +1,56 @@
+#pragma once
+// 16-float GCC vector helpers shared by our CPU kernels. Built with -ffp-contract=off,
+// so every lane rounds exactly like scalar code would: results never depend on
+// which lane or which tile a value was computed in.
+#include <cmath>
+#include <cstdint>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads and stores
+typedef int32_t i16v __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline v16 splat(float x) { return v16{} + x; }
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+// exp on 16 lanes: Cody-Waite range reduction and a degree-6 polynomial (relative error ~1e-7);
+// inputs at or below -87 give ~0 (callers force masked entries to exactly 0).
+inline v16 vexp(v16 x) {
+  const v16 lo = splat(-87.0f), hi = splat(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  v16 n = x * splat(1.44269504088896341f);
+  n = __builtin_convertvector(__builtin_convertvector(n + (n < 0 ? splat(-0.5f) : splat(0.5f)), i16v), v16);
+  v16 r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  v16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Horizontal sum with one fixed tree.
+inline float hsum(v16 acc) {
+  v16 h = acc + __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  h = h + __builtin_shufflevector(h, h, 4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15);
+  h = h + __builtin_shufflevector(h, h, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return h[0] + h[1];
+}
+
+// a . b over n floats with one fixed order: 16-wide partial sums chunk by chunk, then the tree.
+inline float dot(const float* a, const float* b, int64_t n) {
+  v16 acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = acc + load(a + i) * load(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
