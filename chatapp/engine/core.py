@@ -51,6 +51,9 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # Where step time goes: the model's forward (and LM head) against the whole step.
+        self.forward_seconds_total = 0.0
+        self.step_seconds_total = 0.0
         self._recent: deque[tuple[float, int, float]] = deque(maxlen=_RECENT_STEPS)  # (end time, tokens, seconds)
         self.load_seconds = time.perf_counter() - start
         log.info(
@@ -103,11 +106,11 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        step_start = time.perf_counter()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        step_start = time.perf_counter()
         result = self.runner.execute(batch, {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests})
         for req, n in zip(batch.requests, batch.num_new_tokens):
             if req.num_computed_tokens < req.num_prompt_tokens:
@@ -128,7 +131,10 @@ class EngineCore:
                 out.finish_reason = status.value
             outputs.append(out)
         self.generation_tokens_total += len(result.sampled_requests)
-        self._recent.append((time.monotonic(), len(result.sampled_requests), time.perf_counter() - step_start))
+        step_seconds = time.perf_counter() - step_start
+        self.forward_seconds_total += result.forward_seconds
+        self.step_seconds_total += step_seconds
+        self._recent.append((time.monotonic(), len(result.sampled_requests), step_seconds))
         return outputs
 
     # -- embeddings -----------------------------------------------------------
@@ -181,4 +187,6 @@ class EngineCore:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "generation_tokens_per_second": sum(r[1] for r in recent) / busy if busy else 0.0,
+            "forward_seconds_total": self.forward_seconds_total,
+            "step_seconds_total": self.step_seconds_total,
         }

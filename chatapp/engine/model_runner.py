@@ -27,11 +27,12 @@ from chatapp.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
-# Steps with fewer tokens than this run on one thread. Waking a second OpenMP thread for every
-# small GEMM cost more than it saved: measured on 2 cores, one thread decoded faster at every
-# batch from 1 to 16 requests (123 vs 64 tok/s alone, 403 vs 294 at 16), while prompts of 512
-# tokens went 1.5x faster on two.
+# Small steps run on one thread. Waking a second OpenMP thread for every small GEMM cost more
+# than it saved: measured on 2 cores, one thread decoded faster at every batch from 1 to 16
+# requests (123 vs 64 tok/s alone, 403 vs 294 at 16), while prompts of 512 tokens went 1.5x
+# faster on two, as did a few new tokens attending to a long cached conversation.
 SINGLE_THREAD_BELOW_TOKENS = 256
+SINGLE_THREAD_BELOW_ATTENTION = 32_768  # sum over requests of new tokens x context length
 
 
 @dataclass
@@ -170,7 +171,9 @@ class ModelRunner:
 
     def _forward(self, step: "_PreparedStep") -> torch.Tensor:
         if self.device.type == "cpu":
-            small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS
+            meta = step.meta
+            attention = sum(q * s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
+            small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS and attention < SINGLE_THREAD_BELOW_ATTENTION
             threads = 1 if small else self.config.num_threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)

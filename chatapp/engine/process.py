@@ -106,6 +106,7 @@ class EngineServer:
         self.config = config
         self.runtime = runtime
         self.encoder, self.decoder = ipc.engine_codec()
+        self.busy_loop_seconds = 0.0  # loop iterations that had work: steps plus IPC and housekeeping
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's outputs; dead clients are removed instead
@@ -156,6 +157,7 @@ class EngineServer:
     def _loop(self) -> int:
         while self.stop_reason is None:
             busy = self.core is not None and self.core.has_work()
+            started = time.perf_counter()
             timeout_ms = 0 if busy else (50 if self.loader is not None else 500)
             if self.sock.poll(timeout_ms):
                 self._drain()
@@ -168,8 +170,11 @@ class EngineServer:
             if self._idle_exit_due() and self._leave_discovery():
                 log.info("no clients left; exiting")
                 return 0
-            if self.core is not None and self.core.has_work():
+            stepped = self.core is not None and self.core.has_work()
+            if stepped:
                 self._step()
+            if busy or stepped:  # engine overhead = busy loop time outside the model forward (see stats)
+                self.busy_loop_seconds += time.perf_counter() - started
         log.info("stopping: %s", self.stop_reason)
         self._broadcast(ipc.ShuttingDown(self.stop_reason))
         return 0
@@ -321,6 +326,7 @@ class EngineServer:
     def _stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = dict(self._ready_core().stats())
         stats["num_clients"] = len(self.clients)
+        stats["busy_loop_seconds_total"] = self.busy_loop_seconds
         stats["engine_pid"] = os.getpid()
         return stats
 

@@ -55,8 +55,8 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {_MAX_LOGPROBS}, got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            raise bad("seed", f"must be an integer that fits in 64 bits, got {self.seed!r}")
         if self.stop is None:
             self.stop_strings = ()
         elif isinstance(self.stop, str):

@@ -116,6 +116,7 @@ def sampling_params(body: SamplingFields, *, n: int, vocab_size: int, max_tokens
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         logprobs=logprobs,
         logit_bias=parse_logit_bias(body.logit_bias, vocab_size),
+        ignore_eos=bool(body.ignore_eos),
     )
     try:
         return [SamplingParams(**common, seed=None if body.seed is None else body.seed + i) for i in range(n)]

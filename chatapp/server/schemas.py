@@ -49,6 +49,8 @@ class SamplingFields(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool | None = Field(default=None, description="keep generating past end-of-sequence "
+                                    "(an extension vLLM and llama.cpp share; for benchmarks)")
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -47,26 +47,39 @@ inline void score_rows(const float* key, const float* const* qrow, const int64_t
   }
 }
 
-// out = sum over p < n, in order, of (s[p] * inv) * v_p; the accumulator stays in registers for C * 16 floats.
-template <int C, typename SlotFn>
-inline void weighted_values(const float* s, int64_t n, float inv, const float* vp, SlotFn slot, int64_t offset,
-                            float* out, int64_t D) {
+// For rows rows[0..nr): out_r = sum over p <= last_r, in position order, of w_r[p] * v_p, where w_r = the
+// row's normalised weights. Several rows share each read of v_p (R rows x C vectors of accumulators stay
+// in registers); each row's arithmetic is the single-row one, term for term.
+template <int C, int R, typename SlotFn>
+inline void weighted_values(float* const* w, const int64_t* last, int nr, int64_t num_keys, const float* vp,
+                            SlotFn slot, int64_t offset, float* const* out, int64_t D) {
   if constexpr (C == 0) {
-    std::fill(out, out + D, 0.f);
-    for (int64_t p = 0; p < n; ++p) {
-      const float* value = vp + slot(p) + offset;
-      const float w = s[p] * inv;
-      for (int64_t d = 0; d < D; ++d) out[d] += w * value[d];
+    for (int r = 0; r < nr; ++r) {
+      std::fill(out[r], out[r] + D, 0.f);
+      for (int64_t p = 0; p <= last[r]; ++p) {
+        const float* value = vp + slot(p) + offset;
+        for (int64_t d = 0; d < D; ++d) out[r][d] += w[r][p] * value[d];
+      }
     }
   } else {
-    v16 acc[C];
-    for (int c = 0; c < C; ++c) acc[c] = splat(0.f);
-    for (int64_t p = 0; p < n; ++p) {
+    v16 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = splat(0.f);
+    int64_t end = 0;
+    for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1);
+    end = std::min(end, num_keys);
+    for (int64_t p = 0; p < end; ++p) {
       const float* value = vp + slot(p) + offset;
-      const v16 w = splat(s[p] * inv);
-      for (int c = 0; c < C; ++c) acc[c] = acc[c] + w * load(value + c * kLanes);
+      v16 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load(value + c * kLanes);
+      for (int r = 0; r < nr; ++r) {
+        if (p > last[r]) continue;
+        const v16 wr = splat(w[r][p]);
+        for (int c = 0; c < C; ++c) acc[r][c] = acc[r][c] + wr * v[c];
+      }
     }
-    for (int c = 0; c < C; ++c) store(out + c * kLanes, acc[c]);
+    for (int r = 0; r < nr; ++r)
+      for (int c = 0; c < C; ++c) store(out[r] + c * kLanes, acc[r][c]);
   }
 }
 
@@ -112,7 +125,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   const int64_t row = Hkv * D;  // floats between consecutive token slots
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(D);
+    std::vector<float> scores;
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
       const int64_t b = task.request, q_len = qsl[b + 1] - qsl[b], start = lens[b] - q_len;
@@ -143,6 +156,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         else
           score_rows<0>(key, qrow, last, nv, pos, fscale, scores.data(), stride, D);
       }
+      // Softmax per row over its own keys; the normalised weights replace the scores.
       for (int64_t l = 0; l < nv; ++l) {
         float* s = scores.data() + l * stride;
         const int64_t n = last[l] + 1;
@@ -158,15 +172,27 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
         float sum = 0.f;
         for (int64_t p = 0; p < n; ++p) sum += s[p];  // in position order
         const float inv = 1.f / sum;
-        // out = sum over the row's keys, in position order, of weight * v.
-        const int64_t offset = task.kv_head * D;
-        if (D == 64)
-          weighted_values<4>(s, n, inv, vp, slot, offset, acc.data(), D);
-        else if (D == 128)
-          weighted_values<8>(s, n, inv, vp, slot, offset, acc.data(), D);
-        else
-          weighted_values<0>(s, n, inv, vp, slot, offset, acc.data(), D);
-        std::copy(acc.begin(), acc.end(), op + (token[l] * H + head[l]) * D);
+        for (int64_t p = 0; p < n; ++p) s[p] = s[p] * inv;
+      }
+      // Weighted values, a few rows per pass over the values.
+      const int64_t offset = task.kv_head * D;
+      constexpr int kGroup = 4;
+      for (int64_t g0 = 0; g0 < nv; g0 += kGroup) {
+        const int nr = static_cast<int>(std::min<int64_t>(kGroup, nv - g0));
+        float* w[kGroup];
+        float* dst[kGroup];
+        for (int r = 0; r < nr; ++r) {
+          w[r] = scores.data() + (g0 + r) * stride;
+          dst[r] = op + (token[g0 + r] * H + head[g0 + r]) * D;
+        }
+        if (D == 64) {
+          weighted_values<4, kGroup>(w, last + g0, nr, num_keys, vp, slot, offset, dst, D);
+        } else if (D == 128) {
+          for (int r = 0; r < nr; r += 2)
+            weighted_values<8, 2>(w + r, last + g0 + r, std::min(2, nr - r), num_keys, vp, slot, offset, dst + r, D);
+        } else {
+          weighted_values<0, 1>(w, last + g0, nr, num_keys, vp, slot, offset, dst, D);
+        }
       }
     }
   });

@@ -27,6 +27,12 @@ _METRICS = [
     ("num_preemptions", "chatapp_preemptions_total", "counter", "Requests preempted to free KV blocks."),
     ("prompt_tokens_total", "chatapp_prompt_tokens_total", "counter", "Prompt tokens processed."),
     ("generation_tokens_total", "chatapp_generation_tokens_total", "counter", "Tokens generated."),
+    ("forward_seconds_total", "chatapp_forward_seconds_total", "counter",
+     "Seconds in the model's forward pass (and LM head)."),
+    ("step_seconds_total", "chatapp_step_seconds_total", "counter",
+     "Seconds in engine steps: the forward plus scheduling, input preparation and sampling."),
+    ("busy_loop_seconds_total", "chatapp_busy_loop_seconds_total", "counter",
+     "Seconds the engine loop spent while it had work: steps plus IPC and housekeeping."),
     ("generation_tokens_per_second", "chatapp_generation_tokens_per_second", "gauge",
      "Generation speed over the last seconds of work."),
 ]
