@@ -46,24 +46,16 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttentionBackend:
-    """Attention for the CPU with one call per layer for the whole batch.
+    """Attention with torch ops: one SDPA call for all decodes, one for all prefill chunks.
 
-    With our C++ kernel (float32 caches, the usual case) every query row, decode
-    or prefill chunk, reads its keys and values in place, with arithmetic that
-    does not depend on what shares the batch. Without it, the requests' blocks
-    are gathered and SDPA runs once for all decodes and once for all prefill
-    chunks, with queries grouped per KV head (GQA) so keys and values are never
-    repeated.
+    The requests' blocks are gathered and queries grouped per KV head (GQA) so
+    keys and values are never repeated. On the CPU in float32 the engine
+    normally runs our C++ layer loop with its own paged-attention kernel
+    instead (chatapp/engine/csrc); this backend is the reference and fallback.
     """
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, head_dim: int,
-                 use_cpu_kernels: bool = True) -> None:
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, head_dim: int) -> None:
         self.kv_caches = kv_caches
-        self._kernels = None
-        if use_cpu_kernels and kv_caches[0][0].device.type == "cpu" and kv_caches[0][0].dtype == torch.float32:
-            from chatapp.engine import cpu_kernels
-
-            self._kernels = cpu_kernels.load()
         self.block_size = kv_caches[0][0].shape[1]
         self.num_kv_heads = kv_caches[0][0].shape[2]
         self.num_heads = num_heads
@@ -71,26 +63,14 @@ class TorchAttentionBackend:
         self.scale = head_dim**-0.5
         self._meta: AttentionMetadata | None = None
 
-    @property
-    def kernels(self):
-        """Our compiled CPU extension, or None when running the pure-torch path."""
-        return self._kernels
-
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._meta = meta
-        if self._kernels is None:
-            self._prepare_sdpa(meta)
+        self._prepare_sdpa(meta)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = self._meta
         k_cache, v_cache = self.kv_caches[layer]
-        _store(k_cache, v_cache, k, v, meta.slot_mapping)
-        if self._kernels is not None:
-            return self._kernels.paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
-                                                 meta.block_tables, self.scale)
+        _store(k_cache, v_cache, k, v, self._meta.slot_mapping)
         return self._forward_sdpa(q, k_cache, v_cache)
-
-    # -- the pure-torch path ---------------------------------------------------
 
     def _prepare_sdpa(self, meta: AttentionMetadata) -> None:
         device = meta.block_tables.device

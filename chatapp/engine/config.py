@@ -55,6 +55,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     """auto (triton on CUDA, torch on the CPU), torch or triton."""
+    cpu_kernels: bool = True
+    """On the CPU in float32, run the model through our C++ layer loop (built on first use)."""
     quantization: str | None = "auto"
     """auto (int8 on the CPU, none on a GPU), "int8" (dynamic int8 linear layers, CPU only) or None."""
     num_threads: int | None = None

@@ -55,8 +55,6 @@ class ModelRunner:
         log.info("loaded %s weights in %.2f s", model_config.architecture, time.perf_counter() - start)
         self.block_size = config.block_size
         self.num_blocks = self._choose_num_blocks()
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-        self.attn = self._make_attention_backend()
         self.sampler = Sampler()
         if config.quantization == "int8":
             from chatapp.engine.quantization import quantize_int8
@@ -64,7 +62,12 @@ class ModelRunner:
             start = time.perf_counter()
             quantize_int8(self.model, lambda: self._calibrate(model_dir))
             log.info("quantized linear layers to int8 in %.2f s", time.perf_counter() - start)
-        self.cpu_forward = self._build_cpu_forward()
+        # On the CPU in float32 our C++ layer loop runs the model (with its own key layout);
+        # otherwise the Python model with the torch (SDPA) or Triton attention backend.
+        ext = self._cpu_extension()
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
+        self.cpu_forward = self._build_cpu_forward(ext)
+        self.attn = None if self.cpu_forward is not None else self._make_attention_backend()
 
     # -- set-up -------------------------------------------------------------
 
@@ -111,22 +114,37 @@ class ModelRunner:
             raise RuntimeError("not enough GPU memory left for the KV cache; lower max_num_batched_tokens")
         return blocks
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_caches(self, num_blocks: int, transposed_keys: bool = False
+                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys, values), each [num_blocks, block_size, kv_heads, head_dim].
+
+        With ``transposed_keys`` (our C++ CPU path) keys are [num_blocks, kv_heads, head_dim,
+        block_size] instead, so 16 keys of a block sit side by side for a decode's vector loads.
+        """
         mc = self.mc
         # Zeroed, not empty: padded key positions are masked, but 0 * NaN would still poison them.
         pool = torch.zeros(mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
                            dtype=self.dtype, device=self.device)
-        return [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
+        caches = [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
+        if transposed_keys:
+            shape = (num_blocks, mc.num_kv_heads, mc.head_dim, self.block_size)
+            caches = [(k.view(shape), v) for k, v in caches]
+        return caches
 
     @torch.inference_mode()
     def _calibrate(self, model_dir: Path) -> None:
-        """One float32 prefill of a fixed mixed text, to measure activation ranges for int8."""
+        """One float32 prefill of a fixed mixed text, to measure activation ranges for int8.
+
+        It runs the Python model with torch attention on a scratch cache of its own.
+        """
         from chatapp.engine.quantization import CALIBRATION_TEXT
         from chatapp.engine.tokenizer import Tokenizer
 
         ids = Tokenizer(model_dir).encode(CALIBRATION_TEXT)
-        ids = [i for i in ids if i < self.mc.vocab_size][: self.num_blocks * self.block_size]
+        ids = [i for i in ids if i < self.mc.vocab_size][: self.config.max_model_len]
         n = len(ids)
+        scratch = self._allocate_kv_caches(-(-n // self.block_size))
+        attn = TorchAttentionBackend(scratch, self.mc.num_heads, self.mc.head_dim)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
@@ -134,8 +152,8 @@ class ModelRunner:
             block_tables=torch.arange(-(-n // self.block_size), dtype=torch.int32, device=self.device)[None],
             query_lens_cpu=[n], seq_lens_cpu=[n], num_decodes=0, max_query_len=n, max_seq_len=n,
         )
-        self.attn.begin_step(meta)
-        self.model(torch.tensor(ids, device=self.device), torch.arange(n, device=self.device), self.attn)
+        attn.begin_step(meta)
+        self.model(torch.tensor(ids, device=self.device), torch.arange(n, device=self.device), attn)
 
     def _make_attention_backend(self, kv_caches=None):
         kv_caches = kv_caches if kv_caches is not None else self.kv_caches
@@ -177,8 +195,8 @@ class ModelRunner:
             threads = 1 if small else self.config.num_threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-        self.attn.begin_step(step.meta)
         if self.cpu_forward is None:
+            self.attn.begin_step(step.meta)
             return self.model(step.input_ids, step.positions, self.attn)
         meta, model = step.meta, self.model
         x = model.embed_tokens(step.input_ids)
@@ -186,15 +204,21 @@ class ModelRunner:
         return self.cpu_forward.forward(x, cos, sin, self._k_caches, self._v_caches, meta.slot_mapping,
                                         meta.query_start_loc, meta.seq_lens, meta.block_tables)
 
-    def _build_cpu_forward(self):
-        """The C++ layer loop (chatapp/engine/csrc/cpu_forward.cpp) where it applies, else None.
-
-        It mirrors the Python model op for op (bit-identical results) without
-        the interpreter's per-op cost, which dominates small decode steps.
-        """
-        if self.device.type != "cpu" or self.dtype != torch.float32 or not isinstance(self.attn, TorchAttentionBackend):
+    def _cpu_extension(self):
+        """Our compiled CPU code, where it applies (CPU, float32, torch attention) and builds."""
+        if (not self.config.cpu_kernels or self.device.type != "cpu" or self.dtype != torch.float32
+                or self.config.attention_backend != "torch"):
             return None
-        ext = self.attn.kernels
+        from chatapp.engine import cpu_kernels
+
+        return cpu_kernels.load()
+
+    def _build_cpu_forward(self, ext):
+        """The C++ layer loop (chatapp/engine/csrc/cpu_forward.cpp), or None without the extension.
+
+        It follows the Python model step for step without the interpreter's
+        per-op cost, which dominates small decode steps.
+        """
         if ext is None:
             return None
         from chatapp.engine.cpu_forward import build_cpu_model

@@ -94,18 +94,21 @@ void rope(at::Tensor& qkv, int64_t heads, int64_t d, const at::Tensor& cos, cons
   });
 }
 
-// Copy each token's key and value heads into its cache slot.
-void store_kv(const at::Tensor& qkv, int64_t k_offset, int64_t kv_size, at::Tensor& k_cache, at::Tensor& v_cache,
+// Copy each token's key and value heads into its cache slot; keys go transposed within their block
+// ([block][kv_head][dim][slot], see paged_attention_cpu.cpp), values as they are.
+void store_kv(const at::Tensor& qkv, int64_t k_offset, at::Tensor& k_cache_t, at::Tensor& v_cache,
               const at::Tensor& slots) {
   const int64_t rows = qkv.size(0), stride = qkv.stride(0);
+  const int64_t hkv = k_cache_t.size(1), d = k_cache_t.size(2), bs = k_cache_t.size(3), kv_size = hkv * d;
   const float* base = qkv.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  float* kc = k_cache.data_ptr<float>();
+  float* kc = k_cache_t.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     if (sp[r] < 0) continue;
     const float* src = base + r * stride + k_offset;
-    std::copy(src, src + kv_size, kc + sp[r] * kv_size);
+    float* key_block = kc + (sp[r] / bs) * kv_size * bs + sp[r] % bs;
+    for (int64_t i = 0; i < kv_size; ++i) key_block[i * bs] = src[i];  // i = head * d + dim
     std::copy(src + kv_size, src + 2 * kv_size, vc + sp[r] * kv_size);
   }
 }
@@ -259,7 +262,8 @@ class CpuModel {
                             make_linear(qkv), make_linear(o), make_linear(gate_up), make_linear(down)});
   }
 
-  // x [T, hidden] (embedded, owned: updated in place); cos/sin [T, 1, D] for the step's positions.
+  // x [T, hidden] (embedded, owned: updated in place); cos/sin [T, 1, D] for the step's positions;
+  // k_caches [num_blocks, Hkv, D, block_size] (transposed keys), v_caches [num_blocks, block_size, Hkv, D].
   // Returns the final-normed hidden states.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                      std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
@@ -278,7 +282,7 @@ class CpuModel {
         rms_norm_heads(qkv, h, hkv, d, L.k_norm, eps_);
       }
       rope(qkv, h + hkv, d, c, s);
-      store_kv(qkv, q_size, kv_size, k_caches[i], v_caches[i], slots);
+      store_kv(qkv, q_size, k_caches[i], v_caches[i], slots);
       at::Tensor attn = paged_attention(qkv.narrow(1, 0, q_size).view({t, h, d}), k_caches[i], v_caches[i],
                                         query_start_loc, seq_lens, block_tables, scale_);
       at::Tensor o = L.o(attn.view({t, q_size}));

@@ -2,6 +2,8 @@
 // 16-float GCC vector helpers shared by our CPU kernels. Built with -ffp-contract=off,
 // so every lane rounds exactly like scalar code would: results never depend on
 // which lane or which tile a value was computed in.
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -11,6 +13,35 @@ typedef int32_t i16v __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
 inline v16 splat(float x) { return v16{} + x; }
+
+// a * b + c rounded once where the CPU has FMA, in every lane and in scalar code alike (std::fma is
+// the same correctly rounded operation), so a value never depends on which path computed it.
+inline v16 fmadd(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  __m256 lo, hi, alo, ahi, blo, bhi, clo, chi;
+  __builtin_memcpy(&alo, &a, 32); __builtin_memcpy(&ahi, reinterpret_cast<char*>(&a) + 32, 32);
+  __builtin_memcpy(&blo, &b, 32); __builtin_memcpy(&bhi, reinterpret_cast<char*>(&b) + 32, 32);
+  __builtin_memcpy(&clo, &c, 32); __builtin_memcpy(&chi, reinterpret_cast<char*>(&c) + 32, 32);
+  lo = _mm256_fmadd_ps(alo, blo, clo);
+  hi = _mm256_fmadd_ps(ahi, bhi, chi);
+  v16 out;
+  __builtin_memcpy(&out, &lo, 32);
+  __builtin_memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
+#else
+  return a * b + c;
+#endif
+}
+
+inline float fmadd(float a, float b, float c) {
+#if defined(__AVX512F__) || defined(__FMA__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 
