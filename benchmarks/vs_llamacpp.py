@@ -102,6 +102,13 @@ def run_server(cmd: list[str], url: str, env: dict[str, str] | None = None):
             proc.kill()
 
 
+async def sse_chunks(resp: httpx.Response):
+    """The JSON chunks of a server-sent-events response, up to [DONE]."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def stream_completion(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int,
                             ignore_eos: bool = True) -> tuple[float, list[float], int]:
     """(start, arrival time of each streamed token chunk, completion tokens) of one streamed completion."""
@@ -112,10 +119,7 @@ async def stream_completion(client: httpx.AsyncClient, server: Server, prompt: s
     completion_tokens = 0
     async with client.stream("POST", f"{server.url}/v1/completions", json=body, timeout=600) as resp:
         resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 arrivals.append(time.perf_counter())
             if chunk.get("usage"):
@@ -130,10 +134,7 @@ async def chat_ttft(client: httpx.AsyncClient, server: Server, messages: list[di
     text = ""
     async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=600) as resp:
         resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("choices"):
                 piece = chunk["choices"][0].get("delta", {}).get("content") or ""
                 if piece and first is None:
