@@ -128,6 +128,8 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('msg')}", None).response()
+    if first.get("type") == "invalid_unicode":  # schemas._Body names the string itself
+        return bad_request(str(first["msg"]), first["ctx"]["param"]).response()
     param = _param_from_loc(tuple(first.get("loc", ())))
     message = f"{param}: {first['msg']}" if param else str(first["msg"])
     if len(errors) > 1:

@@ -11,12 +11,56 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Request(BaseModel):
     # NaN and Infinity are valid to Python's JSON parser but never a sane sampling value.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path ("messages[0].content") of the first string holding a lone surrogate, or None.
+
+    JSON may spell one (``"\\ud800"``) and Python's parser accepts it, but such a
+    string is not Unicode: the tokenizer and every UTF-8 encoder (our own
+    error answers included) fail on it.
+    """
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            # A bad key is named in escaped form: the path goes back to the client in the error.
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+            key_path = f"{path}.{name}" if path else name
+            found = (key_path if name != key else None) or lone_surrogate(item, key_path)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+class _Body(_Request):
+    """A whole request body: its strings must be valid Unicode, wherever they are."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (where := lone_surrogate(data)) is not None:
+            raise PydanticCustomError("invalid_unicode", "{param} is not valid Unicode: it holds a lone surrogate "
+                                      "(an unpaired \\ud800-\\udfff escape)", {"param": where})
+        return data
 
 
 class StreamOptions(_Request):
@@ -30,7 +74,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class SamplingFields(_Request):
+class SamplingFields(_Body):
     """The sampling fields chat and text completions share."""
 
     model: str | None = None
@@ -77,7 +121,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(_Body):
     model: str | None = None
     input: str | list[int] | list[str] | list[list[int]]
     encoding_format: Literal["float", "base64"] | None = "float"
