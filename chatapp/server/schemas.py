@@ -20,12 +20,27 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-def lone_surrogate(value: Any, path: str = "") -> str | None:
+def lone_surrogate(value: Any) -> str | None:
     """The path ("messages[0].content") of the first string holding a lone surrogate, or None.
 
     JSON may spell one (``"\\ud800"``) and Python's parser accepts it, but such a
     string is not Unicode: the tokenizer and every UTF-8 encoder (our own
     error answers included) fail on it.
+    """
+    parts = _surrogate_at(value)
+    if parts is None:
+        return None
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else part
+    return path or "body"
+
+
+def _surrogate_at(value: Any) -> list[str | int] | None:
+    """Where in ``value`` a bad string is, as keys and indexes ([] for ``value`` itself); None: nowhere.
+
+    Only strings, lists and objects are visited, so a prompt of a million token ids costs one
+    type check per id.
     """
     if isinstance(value, str):
         if value.isascii():
@@ -33,21 +48,18 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path or "body"
+            return []
         return None
     if isinstance(value, dict):
         for key, item in value.items():
-            # A bad key is named in escaped form: the path goes back to the client in the error.
-            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
-            key_path = f"{path}.{name}" if path else name
-            found = (key_path if name != key else None) or lone_surrogate(item, key_path)
-            if found:
-                return found
+            if _surrogate_at(key) is not None:  # named escaped: the path goes back to the client
+                return [str(key).encode("utf-8", "backslashreplace").decode("utf-8")]
+            if isinstance(item, (str, list, dict)) and (found := _surrogate_at(item)) is not None:
+                return [key, *found]
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            found = lone_surrogate(item, f"{path}[{i}]")
-            if found:
-                return found
+            if isinstance(item, (str, list, dict)) and (found := _surrogate_at(item)) is not None:
+                return [i, *found]
     return None
 
 
