@@ -45,15 +45,16 @@ LONG = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
 
 
 def engine_config(model: Path) -> dict[str, Any]:
-    return {"model": str(model), "num_kv_blocks": 1024, "max_num_seqs": 32}
+    return {"model": str(model), "num_kv_blocks": 4096, "max_num_seqs": 32}
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Like the tiny_llama fixture, with a longer context so "long" requests outlast the tests' waits."""
+    """Like the tiny_llama fixture, with a long context (64k) so "long" requests outlast the tests' waits
+    (the 5 s heartbeat timeout included) with room to spare: 8k tokens took the tiny model under 5 s."""
     from tests.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-8k"), max_position_embeddings=8192)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-64k"), max_position_embeddings=65536)
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,7 @@ class AsyncEngineClient:
         self._engine_proc: psutil.Process | None = None
         self._welcome: asyncio.Future[ipc.Welcome] | None = None
         self._bye: asyncio.Future[ipc.ByeAck] | None = None
+        self._starting: asyncio.Future[None] | None = None  # the start or restart under way, if any
         self._encoder, self._decoder = ipc.client_codec()
 
     # -- start, restart, close ---------------------------------------------------
@@ -157,8 +158,46 @@ class AsyncEngineClient:
 
         Raises EngineDeadError when the engine cannot be started or dies while
         loading, InvalidRequestError(param="model") for a model that cannot be
-        loaded, EngineModelMismatchError (see __init__).
+        loaded, EngineModelMismatchError (see __init__). A call made while a
+        start or restart is already under way waits for that one.
         """
+        if self.state == "ready":
+            return
+        await self._only_once(self._start)
+
+    async def restart(self) -> None:
+        """Recover after a death (or reconnect): detach if attached, then attach to or spawn an engine.
+
+        Several parts of a program may notice a death and restart at once (the
+        TUI's restart key and its API server): a restart asked for while one is
+        under way joins it instead of tearing down what it is building.
+        """
+        await self._only_once(self._restart)
+
+    async def _only_once(self, work: Callable[[], Any]) -> None:
+        """Run ``work`` (a start or restart) unless one runs already; either way, wait for it to end.
+
+        The caller that began it owns it (cancelling that caller cancels the
+        start, which then detaches cleanly); callers that joined only wait.
+        """
+        task = self._starting
+        joined = task is not None and not task.done()
+        if not joined:
+            task = self._starting = asyncio.ensure_future(work())
+        assert task is not None
+        try:
+            if joined:
+                await asyncio.wait({task})
+                task.result()
+            else:
+                await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise  # this caller was cancelled (its own start, if it began it, detached cleanly)
+            raise EngineDeadError("the engine client was closed while starting") from None
+
+    async def _start(self) -> None:
         if self.state == "ready":
             return
         self._death = None
@@ -185,16 +224,18 @@ class AsyncEngineClient:
         if self.state != "ready":
             raise self._death or EngineDeadError("the engine client was closed while starting")
 
-    async def restart(self) -> None:
-        """Recover after a death (or reconnect): detach if attached, then attach to or spawn an engine."""
+    async def _restart(self) -> None:
         await self._detach()
         self._set_state("starting", "restarting")
-        await self.start()
+        await self._start()
 
     async def close(self) -> None:
         """Detach; the engine exits by itself when no client is left (waited for if this client spawned it)."""
         if self.state == "closed":
             return
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()  # a start under way detaches what it had built when cancelled
+            await asyncio.wait({self._starting})
         await self._detach()
         self._set_state("closed", "")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+_INT64_MAX = 2**63 - 1  # integers cross the IPC link as msgpack int64: larger ones cannot be sent
 
 
 @dataclass
@@ -43,10 +44,14 @@ class SamplingParams:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise bad("top_k", f"must be -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        if self.top_k > _INT64_MAX:
+            raise bad("top_k", f"must fit in a signed 64-bit integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and self.max_tokens > _INT64_MAX:
+            raise bad("max_tokens", f"must fit in a signed 64-bit integer, got {self.max_tokens!r}")
         if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
         if not -2 <= self.frequency_penalty <= 2:
@@ -66,7 +71,7 @@ class SamplingParams:
                 raise bad("stop", "must be a string or a list of strings")
             self.stop_strings = tuple(s for s in self.stop if s)
         if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and 0 <= t <= _INT64_MAX for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
         if self.logit_bias:

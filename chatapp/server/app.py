@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
 
 from chatapp import __version__
 from chatapp.engine.api import EngineClient
@@ -22,14 +23,21 @@ def create_app(client: EngineClient | None = None, *, api_key: str | None = None
 
     The app never cares which EngineClient implementation it gets.
     """
+    # With a key, every route but /health needs it, the API's description included; the browsable
+    # docs pages go (a browser cannot send the key to fetch the description they show).
+    docs = {} if not api_key else {"openapi_url": None, "docs_url": None, "redoc_url": None}
     app = FastAPI(title="chatapp", version=__version__,
-                  description="A local OpenAI-compatible API on chatapp's engine.")
+                  description="A local OpenAI-compatible API on chatapp's engine.", **docs)
     app.state.server = ServerState(client)
     app.state.api_key = api_key or None
     install_handlers(app)
 
     app.include_router(ops.health_router)  # no key: probes and the TUI ask it
     keyed = [Depends(require_api_key)]
+    if api_key:
+        @app.get("/openapi.json", include_in_schema=False, dependencies=keyed)
+        async def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
     for router in (models.router, chat.router, completions.router, embeddings.router, ops.metrics_router):
         app.include_router(router, dependencies=keyed)
 

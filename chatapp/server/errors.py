@@ -22,6 +22,8 @@ from chatapp.engine.tokenizer import ChatFormatError
 log = logging.getLogger(__name__)
 
 CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
+SENT_CONTENT_TYPE = "chatapp.sent_content_type"
+"""Scope key: the Content-Type the client sent, before middleware.AssumeJSON replaced it."""
 RETRY_AFTER_SECONDS = 5
 
 
@@ -123,11 +125,38 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _json_error(request: Request, exc: RequestValidationError, error: dict[str, Any]) -> str:
+    """Where the JSON broke ("Expecting ',' delimiter at line 1 column 49"), and what was sent instead."""
+    why = (error.get("ctx") or {}).get("error") or error.get("msg")
+    doc, loc = exc.body, tuple(error.get("loc", ()))
+    if isinstance(doc, str) and len(loc) == 2 and isinstance(loc[1], int):
+        line = doc.count("\n", 0, loc[1]) + 1
+        column = loc[1] - doc.rfind("\n", 0, loc[1])
+        why = f"{why} at line {line} column {column}"
+    message = f"the request body is not valid JSON: {why}"
+    sent_as = request.scope.get(SENT_CONTENT_TYPE)
+    if sent_as and "json" not in sent_as.lower():
+        message += f" (it was sent as {sent_as}; this API takes JSON)"
+    return message
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
-        return bad_request(f"the request body is not valid JSON: {first.get('msg')}", None).response()
+        return bad_request(_json_error(request, exc, first), None).response()
+    if tuple(first.get("loc", ())) == ("body",):  # the body as a whole
+        if first.get("type") == "missing":
+            return bad_request("the request body is empty: send a JSON object", None).response()
+        if first.get("type") in ("model_attributes_type", "dict_type"):
+            kind = _JSON_KINDS.get(type(first.get("input")), "something else")
+            return bad_request(f"the request body must be a JSON object, got {kind}", None).response()
+    if first.get("type") == "invalid_unicode":  # schemas._Body names the string itself
+        return bad_request(str(first["msg"]), first["ctx"]["param"]).response()
     param = _param_from_loc(tuple(first.get("loc", ())))
     message = f"{param}: {first['msg']}" if param else str(first["msg"])
     if len(errors) > 1:
@@ -136,7 +165,11 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if exc.status_code == 404:
+    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parsing
+        bad = exc.__cause__
+        message = (f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at position "
+                   f"{bad.start} ({bad.reason}); send JSON encoded as UTF-8")
+    elif exc.status_code == 404:
         message = f"no such route: {request.method} {request.url.path}"
     elif exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chatapp.server.errors import APIError
+from chatapp.server.errors import SENT_CONTENT_TYPE, APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 _DRAIN_FACTOR = 16  # past this many times the limit, stop reading and just answer
@@ -78,7 +78,8 @@ class AssumeJSON:
 
     ``curl -d '{...}'`` sends ``application/x-www-form-urlencoded`` and some
     clients send no type at all; every POST route here takes JSON, so reading
-    it as JSON is what the caller meant (and bad JSON still gets a clear 400).
+    it as JSON is what the caller meant (and bad JSON still gets a clear 400, which
+    names the type that was sent).
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -86,6 +87,7 @@ class AssumeJSON:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
+            sent = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), None)
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+            scope = {**scope, "headers": headers + [(b"content-type", b"application/json")], SENT_CONTENT_TYPE: sent}
         await self.app(scope, receive, send)

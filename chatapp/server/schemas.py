@@ -11,12 +11,68 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Request(BaseModel):
     # NaN and Infinity are valid to Python's JSON parser but never a sane sampling value.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The path ("messages[0].content") of the first string holding a lone surrogate, or None.
+
+    JSON may spell one (``"\\ud800"``) and Python's parser accepts it, but such a
+    string is not Unicode: the tokenizer and every UTF-8 encoder (our own
+    error answers included) fail on it.
+    """
+    parts = _surrogate_at(value)
+    if parts is None:
+        return None
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else part
+    return path or "body"
+
+
+def _surrogate_at(value: Any) -> list[str | int] | None:
+    """Where in ``value`` a bad string is, as keys and indexes ([] for ``value`` itself); None: nowhere.
+
+    Only strings, lists and objects are visited, so a prompt of a million token ids costs one
+    type check per id.
+    """
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return []
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _surrogate_at(key) is not None:  # named escaped: the path goes back to the client
+                return [str(key).encode("utf-8", "backslashreplace").decode("utf-8")]
+            if isinstance(item, (str, list, dict)) and (found := _surrogate_at(item)) is not None:
+                return [key, *found]
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, (str, list, dict)) and (found := _surrogate_at(item)) is not None:
+                return [i, *found]
+    return None
+
+
+class _Body(_Request):
+    """A whole request body: its strings must be valid Unicode, wherever they are."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (where := lone_surrogate(data)) is not None:
+            raise PydanticCustomError("invalid_unicode", "{param} is not valid Unicode: it holds a lone surrogate "
+                                      "(an unpaired \\ud800-\\udfff escape)", {"param": where})
+        return data
 
 
 class StreamOptions(_Request):
@@ -30,7 +86,7 @@ class ChatMessage(_Request):
     name: str | None = None
 
 
-class SamplingFields(_Request):
+class SamplingFields(_Body):
     """The sampling fields chat and text completions share."""
 
     model: str | None = None
@@ -77,7 +133,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(_Body):
     model: str | None = None
     input: str | list[int] | list[str] | list[list[int]]
     encoding_format: Literal["float", "base64"] | None = "float"

@@ -146,8 +146,10 @@ class LocalEngine:
             self._fail("the engine process died")
         elif reported in ("starting", "loading") and self._state not in ("dead",):
             self._state = reported
-        elif reported == "ready" and self._state in ("starting", "loading"):
-            self._state = "ready"
+        elif reported == "ready" and self._state in ("starting", "loading", "dead"):
+            # From "dead" too: another user of this client (the API port's server) restarted it.
+            self._state, self._error = "ready", None
+            self._ready.set()
         info = getattr(client, "model_info", None)
         model = getattr(info, "name", None)
         device = getattr(info, "device", None)
