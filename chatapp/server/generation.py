@@ -279,3 +279,28 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientGone()
     return task.result()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object; the prompt counts once however many choices were asked for."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def token_id_lists(client: EngineClient, given: str | list[int] | list[str] | list[list[int]], field: str,
+                         max_items: int) -> list[list[int]]:
+    """OpenAI's text-or-tokens inputs (one string, one id list, or a list of either) -> checked id lists.
+
+    Errors name the item (``prompt[2]``) when several were given, as the SDK user wrote them."""
+    items = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else given
+    if not items:
+        raise bad_request(f"{field} must not be empty", field)
+    if len(items) > max_items:
+        raise bad_request(f"at most {max_items} {field}s per request, got {len(items)}", field)
+    out = []
+    for i, item in enumerate(items):
+        param = field if len(items) == 1 else f"{field}[{i}]"
+        ids = await encode(client, item) if isinstance(item, str) else list(item)  # type: ignore[arg-type]
+        check_token_ids(ids, client.model_info.vocab_size, param)
+        out.append(ids)
+    return out

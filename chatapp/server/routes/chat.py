@@ -90,8 +90,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                             "logprobs": logprobs, "finish_reason": r.finish_reason})
         completion = sum(r.num_output_tokens for r in results)
         return ChatCompletion(id=request_id, created=created, model=model, choices=choices,
-                              usage={"prompt_tokens": len(prompt), "completion_tokens": completion,
-                                     "total_tokens": len(prompt) + completion})
+                              usage=gen.usage(len(prompt), completion))
 
     try:
         first = await gen.first_delta(request, streams)
@@ -133,8 +132,6 @@ async def _chunks(client: EngineClient, streams: gen.ChoiceStreams, first: tuple
                 yield chunk(index, {}, None, delta.finish_reason)
             item = await streams.next()
         if include_usage:
-            yield {**base, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                    "completion_tokens": completion_tokens,
-                                                    "total_tokens": prompt_tokens + completion_tokens}}
+            yield {**base, "choices": [], "usage": gen.usage(prompt_tokens, completion_tokens)}
     finally:
         await streams.aclose()

@@ -22,25 +22,6 @@ router = APIRouter()
 MAX_PROMPTS = 64
 
 
-async def _prompts(client: EngineClient, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
-    """Every accepted prompt form -> a list of token-id prompts."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompt = [prompt]  # type: ignore[list-item]  one prompt given as token ids
-    if not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    if len(prompt) > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
-    out = []
-    for i, p in enumerate(prompt):
-        param = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
-        ids = await gen.encode(client, p) if isinstance(p, str) else list(p)
-        gen.check_token_ids(ids, client.model_info.vocab_size, param)
-        out.append(ids)
-    return out
-
-
 @router.post("/v1/completions", response_model=Completion,
              responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
                         200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"}})
@@ -57,7 +38,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         raise unsupported("best_of", "best_of other than n")
     params = gen.sampling_params(body, n=n, vocab_size=info.vocab_size, max_tokens=body.max_tokens,
                                  logprobs=body.logprobs)
-    prompts = await _prompts(client, body.prompt)
+    prompts = await gen.token_id_lists(client, body.prompt, "prompt", MAX_PROMPTS)
     for i, ids in enumerate(prompts):
         gen.check_context(ids, info.max_model_len, body.max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
 
@@ -79,8 +60,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
             choices.append({"index": k, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason})
         completion = sum(r.num_output_tokens for r in results)
         return Completion(id=request_id, created=created, model=model, choices=choices,
-                          usage={"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                 "total_tokens": prompt_tokens + completion})
+                          usage=gen.usage(prompt_tokens, completion))
 
     try:
         first = await gen.first_delta(request, streams)
@@ -122,8 +102,6 @@ async def _chunks(client: EngineClient, streams: gen.ChoiceStreams, first: tuple
                 yield chunk(index, "", None, delta.finish_reason)
             item = await streams.next()
         if include_usage:
-            yield {**base, "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                    "completion_tokens": completion_tokens,
-                                                    "total_tokens": prompt_tokens + completion_tokens}}
+            yield {**base, "choices": [], "usage": gen.usage(prompt_tokens, completion_tokens)}
     finally:
         await streams.aclose()

@@ -31,20 +31,9 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: ServerStat
     info = client.model_info
     if body.dimensions is not None:
         raise unsupported("dimensions", "choosing embedding dimensions")
-    raw = body.input
-    if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-        raw = [raw]  # type: ignore[list-item]
-    if not raw:
-        raise bad_request("input must not be empty", "input")
-    if len(raw) > MAX_INPUTS:
-        raise bad_request(f"at most {MAX_INPUTS} inputs per request, got {len(raw)}", "input")
-    inputs = []
-    for i, item in enumerate(raw):
-        param = "input" if len(raw) == 1 else f"input[{i}]"
-        ids = await gen.encode(client, item) if isinstance(item, str) else list(item)
-        gen.check_token_ids(ids, info.vocab_size, param)
-        gen.check_context(ids, info.max_model_len, None, param)
-        inputs.append(ids)
+    inputs = await gen.token_id_lists(client, body.input, "input", MAX_INPUTS)
+    for i, ids in enumerate(inputs):
+        gen.check_context(ids, info.max_model_len, None, "input" if len(inputs) == 1 else f"input[{i}]")
     try:
         vectors = await gen.until_disconnect(request, client.embed(inputs))
     except Exception as exc:  # noqa: BLE001
