@@ -19,6 +19,7 @@ import torch
 
 from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend
 from chatapp.engine.config import EngineConfig
+from chatapp.engine.cpu_load import CpuLoadMonitor
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.loader import load_model
 from chatapp.engine.request import Request
@@ -27,10 +28,11 @@ from chatapp.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
-# Small steps run on one thread. Waking a second OpenMP thread for every small GEMM cost more
-# than it saved: measured on 2 cores, one thread decoded faster at every batch from 1 to 16
-# requests (123 vs 64 tok/s alone, 403 vs 294 at 16), while prompts of 512 tokens went 1.5x
-# faster on two, as did a few new tokens attending to a long cached conversation.
+# Small steps run on one thread while another process holds a core (cpu_load.py says why): a
+# thread waiting for the scheduler stalls every parallel region of the step. On a quiet machine
+# every step uses every thread (2 cores: 200 vs 166 tok/s alone, 549 vs 370 at 16 requests), as
+# do big steps always (prompts of 512 tokens went 1.5x faster on two cores, as did a few new
+# tokens attending to a long cached conversation).
 SINGLE_THREAD_BELOW_TOKENS = 256
 SINGLE_THREAD_BELOW_ATTENTION = 32_768  # sum over requests of new tokens x context length
 
@@ -50,6 +52,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype()
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        self.cpu_load = CpuLoadMonitor(config.num_threads or 1)
         start = time.perf_counter()
         self.model = load_model(model_dir, model_config, self.dtype, self.device, config.max_model_len)
         log.info("loaded %s weights in %.2f s", model_config.architecture, time.perf_counter() - start)
@@ -192,6 +195,7 @@ class ModelRunner:
             meta = step.meta
             attention = sum(q * s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
             small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS and attention < SINGLE_THREAD_BELOW_ATTENTION
+            small = small and not self.cpu_load.all_threads_fit()
             threads = 1 if small else self.config.num_threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
