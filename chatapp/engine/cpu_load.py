@@ -16,7 +16,7 @@ import psutil
 
 SAMPLE_INTERVAL_S = 0.5
 _BUSY_FIELDS = ("user", "nice", "system", "irq", "softirq", "steal")
-SLACK_CPUS = 0.25  # others may use this much of "our" cores (daemons, our own clients' bookkeeping)
+SLACK_CPUS = 0.25  # others may use this much of "our" cores (daemons, our own clients' streaming)
 
 
 def others_busy_cpus(total_busy_s: float, ours_s: float, wall_s: float) -> float:
