@@ -26,11 +26,19 @@
 
 namespace {
 
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead the cache blocks are fetched
 constexpr int kRowGroup = 8;  // query rows sharing each load of 16 keys (accumulators in registers)
 
 struct Task {
   int64_t request, kv_head, first_vector, num_vectors;
 };
+
+// Ask for `count` runs of `floats` floats, `stride` floats apart, one cache line at a time.
+inline void prefetch_lines(const float* p, int64_t floats, int64_t count, int64_t stride = 0) {
+  constexpr int64_t kLine = 64 / sizeof(float);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t f = 0; f < floats; f += kLine) __builtin_prefetch(p + i * stride + f);
+}
 
 struct Geometry {
   int64_t H, D, bs, Hkv, G, max_blocks;
@@ -62,6 +70,10 @@ void scores_keys_in_lanes(const float* kt, const int32_t* table, int64_t kv_head
     if (full) {
       const int64_t block = table[start / g.bs], offset = start % g.bs;
       const float* base = kt + ((block * g.Hkv + kv_head) * g.D) * g.bs + offset;
+      for (int64_t ahead = start == 0 ? 1 : kPrefetchBlocks; offset == 0 && ahead <= kPrefetchBlocks; ++ahead)
+        if (start + ahead * g.bs < num_keys)  // blocks sit anywhere: fetch the coming ones' keys early
+          prefetch_lines(kt + ((static_cast<int64_t>(table[start / g.bs + ahead]) * g.Hkv + kv_head) * g.D) * g.bs,
+                         g.D * g.bs, 1);
       for (int64_t r = 0; r < nv; r += kRowGroup) {  // a fixed row count keeps accumulators in registers
         const float* const* q = qrow + r;
         const int64_t* lr = last + r;
@@ -147,14 +159,23 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const float* 
       for (int c = 0; c < C; ++c) acc[r][c] = splat(0.f);
     int64_t end = 0;
     for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1);
-    for (int64_t p = 0; p < end; ++p) {
-      const float* value = value_at(p);
-      v16 v[C];
-      for (int c = 0; c < C; ++c) v[c] = load(value + c * kLanes);
-      for (int r = 0; r < nr; ++r) {
-        if (p > last[r]) continue;
-        const v16 wr = splat(w[r][p]);
-        for (int c = 0; c < C; ++c) acc[r][c] = fmadd(wr, v[c], acc[r][c]);
+    for (int64_t first = 0; first < end; first += g.bs) {  // block by block: no division per position
+      const float* slot0 = vp + static_cast<int64_t>(table[first / g.bs]) * g.bs * row + kv_head * g.D;
+      const int64_t n = std::min(g.bs, end - first);
+      for (int64_t ahead = first == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
+        if (first + ahead * g.bs < end)  // the coming blocks' values of this head, fetched early
+          prefetch_lines(vp + static_cast<int64_t>(table[first / g.bs + ahead]) * g.bs * row + kv_head * g.D, g.D,
+                         g.bs, row);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = first + j;
+        const float* value = slot0 + j * row;
+        v16 v[C];
+        for (int c = 0; c < C; ++c) v[c] = load(value + c * kLanes);
+        for (int r = 0; r < nr; ++r) {
+          if (p > last[r]) continue;
+          const v16 wr = splat(w[r][p]);
+          for (int c = 0; c < C; ++c) acc[r][c] = fmadd(wr, v[c], acc[r][c]);
+        }
       }
     }
     for (int r = 0; r < nr; ++r)
