@@ -58,3 +58,31 @@ def test_samples_are_reused_within_the_interval() -> None:
     now[0] += 1.0
     monitor.all_threads_fit()
     assert calls == [1]
+
+
+def test_the_model_runner_asks_the_monitor_for_small_steps(tiny_llama) -> None:
+    """A small step gets every thread when the monitor says the cores are free, one thread when not."""
+    import torch
+
+    from chatapp.engine import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    llm = LLM(str(tiny_llama), num_threads=2, num_kv_blocks=64)
+    asked = []
+
+    class Monitor:
+        def __init__(self, free: bool) -> None:
+            self.free = free
+
+        def all_threads_fit(self) -> bool:
+            asked.append(self.free)
+            return self.free
+
+    try:
+        for free, expected in ((True, 2), (False, 1), (True, 2)):
+            llm.core.runner.cpu_load = Monitor(free)
+            llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2))
+            assert torch.get_num_threads() == expected, (free, asked)
+        assert asked and set(asked) == {True, False}
+    finally:
+        torch.set_num_threads(before)

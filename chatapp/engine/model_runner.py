@@ -190,13 +190,16 @@ class ModelRunner:
         by_request = {r.request_id: hidden[starts[i] : starts[i + 1]] for i, r in enumerate(step.requests)}
         return [by_request[r.request_id] for r in batch.requests]
 
+    def _cpu_threads_for(self, step: "_PreparedStep") -> int:
+        """Every thread, except for a small step while another process holds a core (see above)."""
+        meta = step.meta
+        attention = sum(q * s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
+        small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS and attention < SINGLE_THREAD_BELOW_ATTENTION
+        return 1 if small and not self.cpu_load.all_threads_fit() else self.config.num_threads
+
     def _forward(self, step: "_PreparedStep") -> torch.Tensor:
         if self.device.type == "cpu":
-            meta = step.meta
-            attention = sum(q * s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
-            small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS and attention < SINGLE_THREAD_BELOW_ATTENTION
-            small = small and not self.cpu_load.all_threads_fit()
-            threads = 1 if small else self.config.num_threads
+            threads = self._cpu_threads_for(step)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         if self.cpu_forward is None:
