@@ -1,6 +1,6 @@
-"""How closely the int8 engine follows float32: greedy agreement on the bundled model.
+"""How closely the int8 and int4 engines follow float32: greedy agreement on the bundled model.
 
-For each chat prompt, float32 answers greedily; the int8 engine then reads
+For each chat prompt, float32 answers greedily; the quantized engine then reads
 float32's answer token by token (teacher forcing) and we count how often its
 own top choice is float32's next token. Also reported: how many whole answers
 come out identical, and the largest logit difference.
@@ -77,13 +77,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--quantization", nargs="+", default=["int8", "int4"])
     args = parser.parse_args()
     fp32 = LLM(args.model, quantization=None, kv_cache_memory_gib=0.25)
-    int8 = LLM(args.model, quantization="int8", kv_cache_memory_gib=0.25)
-    r = agreement(fp32, int8, args.tokens)
-    print(f"int8 vs float32 on {len(QUESTIONS)} chat prompts x {args.tokens} tokens: greedy agreement "
-          f"{r['greedy_agreement']:.3f}, identical answers {r['identical_answers']:.2f}, "
-          f"max |logit diff| {r['max_logit_diff']:.2f}")
+    for quantization in args.quantization:
+        candidate = LLM(args.model, quantization=quantization, kv_cache_memory_gib=0.25)
+        r = agreement(fp32, candidate, args.tokens)
+        print(f"{quantization} vs float32 on {len(QUESTIONS)} chat prompts x {args.tokens} tokens: greedy agreement "
+              f"{r['greedy_agreement']:.3f}, identical answers {r['identical_answers']:.2f}, "
+              f"max |logit diff| {r['max_logit_diff']:.2f}")
+        del candidate
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_int8_engine_answers_sensibly(pair: tuple[LLM, LLM]) -> None:
     out = int8.chat([{"role": "user", "content": "How do I reverse a list in Python?"}],
                     SamplingParams(temperature=0, max_tokens=24))[0]
     assert "reverse" in out.outputs[0].text.lower() or "[::-1]" in out.outputs[0].text
-    assert int8.core.runner.model.int8_lm_head is not None
+    assert int8.core.runner.model.quantized_lm_head is not None
 
 
 def test_answers_do_not_depend_on_batch_or_chunking(pair: tuple[LLM, LLM]) -> None:

@@ -58,7 +58,10 @@ class EngineConfig:
     cpu_kernels: bool = True
     """On the CPU in float32, run the model through our C++ layer loop (built on first use)."""
     quantization: str | None = "auto"
-    """auto (int8 on the CPU, none on a GPU), "int8" (dynamic int8 linear layers, CPU only) or None."""
+    """auto, "int4", "int8" or None. On the CPU, auto takes int4 when the weights already are 4- and
+    8-bit blocks (a Q4_1/Q8_0 GGUF: nothing is lost) and int8 otherwise; on a GPU, none.
+    "int4": 4-bit blocks for every projection, 8-bit for the LM head (block_quant.py);
+    "int8": calibrated dynamic int8 (quantization.py). Both CPU only."""
     num_threads: int | None = None
     """torch intra-op threads on the CPU; None: the physical core count."""
     seed: int = 0
@@ -110,12 +113,12 @@ class EngineConfig:
             cfg.num_threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
         if cfg.quantization in ("none", ""):
             cfg.quantization = None
-        if cfg.quantization == "auto":
-            cfg.quantization = "int8" if cfg.device == "cpu" else None
-        if cfg.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be auto, int8 or None, got {cfg.quantization!r}")
-        if cfg.quantization == "int8" and cfg.device != "cpu":
-            raise ValueError("quantization='int8' runs on the CPU only (fbgemm kernels)")
+        if cfg.quantization == "auto" and cfg.device != "cpu":
+            cfg.quantization = None  # on the CPU the model runner decides, once it has the weights
+        if cfg.quantization not in (None, "auto", "int4", "int8"):
+            raise ValueError(f"quantization must be auto, int4, int8 or None, got {cfg.quantization!r}")
+        if cfg.quantization in ("int4", "int8") and cfg.device != "cpu":
+            raise ValueError(f"quantization={cfg.quantization!r} runs on the CPU only (our CPU kernels)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")

@@ -7,11 +7,15 @@ from typing import Any
 
 from torch import nn
 
+from chatapp.engine.block_quant import BlockQuantLinear
 from chatapp.engine.models.llama import LlamaForCausalLM
 from chatapp.engine.quantization import Int8Linear
 
 
 def _linear_spec(linear: nn.Module) -> dict[str, Any]:
+    if isinstance(linear, BlockQuantLinear):
+        return {"blocks": linear.packed, "bits": linear.bits, "out_features": linear.out_features,
+                "bias": linear.bias}
     if isinstance(linear, Int8Linear):
         return {
             "packed": linear._packed,

@@ -1,4 +1,5 @@
-"""Our C++ CPU code, compiled on first use and cached: paged attention and the layer loop.
+"""Our C++ CPU code, compiled on first use and cached: paged attention, block-quantized
+linear layers and the layer loop.
 
 They are optional: where no compiler is available (or CHATAPP_NO_CPU_KERNELS=1
 is set) the torch backend falls back to its pure-torch path, which computes
@@ -18,7 +19,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "cpu_forward.cpp"]
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "block_quant.cpp", _CSRC / "cpu_forward.cpp"]
 # -ffp-contract=off: no fused multiply-adds, so vectorised and scalar loops round alike
 # (the kernel's results must not depend on how rows are tiled).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]

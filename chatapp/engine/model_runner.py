@@ -59,20 +59,36 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._choose_num_blocks()
         self.sampler = Sampler()
-        if config.quantization == "int8":
-            from chatapp.engine.quantization import quantize_int8
-
-            start = time.perf_counter()
-            quantize_int8(self.model, lambda: self._calibrate(model_dir))
-            log.info("quantized linear layers to int8 in %.2f s", time.perf_counter() - start)
         # On the CPU in float32 our C++ layer loop runs the model (with its own key layout);
         # otherwise the Python model with the torch (SDPA) or Triton attention backend.
         ext = self._cpu_extension()
+        self._quantize(ext, model_dir)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
         self.cpu_forward = self._build_cpu_forward(ext)
         self.attn = None if self.cpu_forward is not None else self._make_attention_backend()
 
     # -- set-up -------------------------------------------------------------
+
+    def _quantize(self, ext, model_dir: Path) -> None:
+        """Apply config.quantization, resolving "auto" to what was applied (int4, int8 or None)."""
+        from chatapp.engine.block_quant import quantize_blocks
+
+        cfg, start = self.config, time.perf_counter()
+        if cfg.quantization == "auto":
+            fast_blocks = ext is not None and ext.block_quant_fast()
+            lossless = fast_blocks and quantize_blocks(self.model, ext, lossless_only=True)
+            cfg.quantization = "int4" if lossless else "int8"
+            if lossless:
+                log.info("weights are 4/8-bit blocks already: kept as they are (int4)")
+        elif cfg.quantization == "int4" and not quantize_blocks(self.model, ext, lossless_only=False):
+            log.warning("int4 needs layer widths divisible by %d; using int8", 32)
+            cfg.quantization = "int8"
+        if cfg.quantization == "int8":
+            from chatapp.engine.quantization import quantize_int8
+
+            quantize_int8(self.model, lambda: self._calibrate(model_dir))
+        if cfg.quantization:
+            log.info("quantized linear layers (%s) in %.2f s", cfg.quantization, time.perf_counter() - start)
 
     def bytes_per_block(self) -> int:
         mc = self.mc

@@ -146,7 +146,7 @@ def quantize_int8(model: LlamaForCausalLM, calibrate: Callable[[], None] | None)
         attn.o_proj = _int8(attn.o_proj, outliers.get(f"{prefix}.self_attn.o_proj"))
         mlp.gate_up_proj = _int8(mlp.gate_up_proj, outliers.get(f"{prefix}.mlp.gate_up_proj"))
         mlp.down_proj = _int8(mlp.down_proj, outliers.get(f"{prefix}.mlp.down_proj"))
-    model.int8_lm_head = Int8Linear(head_weight, None, outliers.get("head"))
+    model.quantized_lm_head = Int8Linear(head_weight, None, outliers.get("head"))
 
 
 def _int8(linear: nn.Linear, outliers: torch.Tensor | None) -> Int8Linear:

@@ -18,6 +18,7 @@
 #include <optional>
 #include <vector>
 
+#include "block_quant.h"
 #include "paged_attention_cpu.h"
 #include "vec16.h"
 
@@ -159,6 +160,8 @@ struct AnchorBuffer {
 
 struct Linear {
   c10::intrusive_ptr<LinearPackedParamsBase> packed;  // int8 (fbgemm) when set
+  at::Tensor blocks;                                   // 4- or 8-bit blocks (block_quant.cpp) when defined
+  int64_t block_bits = 0, out_features = 0;
   at::Tensor weight;                                   // float32 [N, K] otherwise
   at::Tensor bias;                                     // optional
   std::vector<int64_t> outliers;                       // input channels kept in float (int8 only)
@@ -166,6 +169,7 @@ struct Linear {
   std::shared_ptr<AnchorBuffer> buffer;
 
   at::Tensor operator()(const at::Tensor& x) const {
+    if (blocks.defined()) return block_linear(x, blocks, block_bits, out_features, bias);
     if (!packed) return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     const int64_t rows = x.size(0), k = x.size(1), x_stride = x.stride(0);
     const int64_t n_out = static_cast<int64_t>(outliers.size());
@@ -232,10 +236,17 @@ class CpuModel {
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
         scale_(1.0 / std::sqrt(static_cast<double>(head_dim))), final_norm_(final_norm) {}
 
-  // spec: {"weight", "bias"} for a float layer, {"packed", "in_features", "outliers", "outlier_rows", "bias"} for int8.
+  // spec: {"weight", "bias"} for a float layer, {"packed", "in_features", "outliers", "outlier_rows", "bias"} for
+  // int8, {"blocks", "bits", "out_features", "bias"} for block-quantized weights.
   Linear make_linear(const py::dict& spec) {
     Linear lin;
     if (spec.contains("bias") && !spec["bias"].is_none()) lin.bias = spec["bias"].cast<at::Tensor>().contiguous();
+    if (spec.contains("blocks")) {
+      lin.blocks = spec["blocks"].cast<at::Tensor>();
+      lin.block_bits = spec["bits"].cast<int64_t>();
+      lin.out_features = spec["out_features"].cast<int64_t>();
+      return lin;
+    }
     if (!spec.contains("packed")) {
       lin.weight = spec["weight"].cast<at::Tensor>();
       return lin;
@@ -303,6 +314,10 @@ class CpuModel {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU, float32)");
+  m.def("block_linear", &block_linear, "x @ W^T with W in 4- or 8-bit blocks of 32 (CPU, float32)", py::arg("x"),
+        py::arg("packed"), py::arg("bits"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("portable") = false);
+  m.def("block_quant_fast", &block_quant_fast, "whether the AVX-512 VNNI block kernel was compiled in");
   py::class_<CpuModel>(m, "CpuModel")
       .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor>())
       .def("add_layer", &CpuModel::add_layer)

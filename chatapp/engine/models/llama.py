@@ -101,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
         self.max_positions = max_positions
         self.rope: RotaryEmbedding | None = None
-        self.int8_lm_head: nn.Module | None = None  # set by quantize_int8
+        self.quantized_lm_head: nn.Module | None = None  # set by quantize_int8 or quantize_blocks
 
     def build_rope(self, dtype: torch.dtype, device: torch.device) -> None:
         mc = self.config
@@ -115,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.int8_lm_head is not None:
-            return self.int8_lm_head(hidden)
+        if self.quantized_lm_head is not None:
+            return self.quantized_lm_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

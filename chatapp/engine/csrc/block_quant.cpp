@@ -1,0 +1,242 @@
+// Block-quantized linear layers for the CPU: 4-bit (Q4_1-style) and 8-bit (Q8_0-style) weights.
+//
+// Why: a decode step streams every weight from memory, so bytes per weight set the speed. fbgemm's
+// int8 reads 1 byte a weight; 4-bit codes with an fp16 scale and minimum per 32 weights read 0.625.
+// And where a model comes as a Q4_1/Q8_0 GGUF (the bundled SmolLM2 does), these formats hold its
+// weights exactly: nothing is lost that the file had.
+//
+// How: activations are quantized per row and per block of 32 (int8, their own scale), like
+// llama.cpp's Q8 activations. For a tile of 16 output channels and one block, 8 AVX-512 VNNI dot
+// instructions give the 16 exact int32 block sums, then the block's float scales are applied:
+//   Q4: y += dot(q_w, q_x) * (d_w * d_x) + m_w * sum(x)     (w = d_w * q_w + m_w, q_w in 0..15)
+//   Q8: y += (dot(u_w, q_x) - 128 * sum(q_x)) * (d_w * d_x)  (w = d_w * (u_w - 128))
+// Every output runs this same sequence whatever the batch holds: answers are batch-invariant.
+//
+// Packed layout, per linear: [tiles of 16 output channels][blocks of 32 inputs][tile bytes].
+// Q4 tile bytes: 4 chunks of 64 bytes, then 16 fp16 scales, then 16 fp16 minimums. In chunk j,
+// byte 4c + i holds channel c's input 4j + i in its low nibble and input 16 + 4j + i in its high
+// nibble, so one load and two masks give the two registers the dot instruction wants.
+// Q8 tile bytes: 8 chunks of 64 (chunk j, byte 4c + i: channel c's input 4j + i, offset by 128),
+// then 16 fp16 scales. chatapp/engine/block_quant.py writes both.
+#include "block_quant.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// One row block's int8 codes and what the weight formats need besides them.
+struct QuantizedActivations {
+  std::vector<int8_t> q;      // [M, K]: x ~= scale * q
+  std::vector<float> scale;   // [M, K / 32]
+  std::vector<float> sum;     // [M, K / 32]: the exact float sum of x over the block (Q4's minimums)
+  std::vector<int32_t> qsum;  // [M, K / 32]: the sum of q over the block (undoes Q8's offset)
+
+  void resize(int64_t rows, int64_t k) {
+    const size_t blocks = static_cast<size_t>(rows * (k / kQuantBlock));
+    if (q.size() < static_cast<size_t>(rows * k)) q.resize(rows * k);
+    if (scale.size() < blocks) {
+      scale.resize(blocks);
+      sum.resize(blocks);
+      qsum.resize(blocks);
+    }
+  }
+};
+
+void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum, int32_t* qsum) {
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    int8_t* qb = q + b * kQuantBlock;
+#if defined(__AVX512F__)
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // round to nearest even
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
+    sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
+    float amax = 0.f, s = 0.f;
+    for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t qs = 0;
+    for (int64_t i = 0; i < kQuantBlock; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      qb[i] = static_cast<int8_t>(std::clamp(v, -128, 127));
+      qs += v;
+      s += xb[i];
+    }
+    sum[b] = s;
+    qsum[b] = qs;
+#endif
+    scale[b] = amax / 127.f;
+  }
+}
+
+void quantize_rows(const at::Tensor& x, QuantizedActivations& a) {
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kQuantBlock;
+  a.resize(rows, k);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * blocks, a.sum.data() + r * blocks,
+                   a.qsum.data() + r * blocks);
+  });
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+constexpr bool kFast = true;
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Output tiles [t0, t1) for every row, 64 rows at a time so the float sums stay in L1.
+template <int kBits>
+void tiles_vnni(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+                int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr int64_t kTileBytes = kBits == 4 ? kQ4TileBytes : kQ8TileBytes;
+  constexpr int64_t kRows = 64;
+  const int64_t blocks = k / kQuantBlock;
+  alignas(64) float acc[kRows * kQuantTile];
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = packed + t * blocks * kTileBytes;
+    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+      const int64_t count = std::min(kRows, rows - m0);
+      for (int64_t r = 0; r < count; ++r) _mm512_store_ps(acc + r * kQuantTile, _mm512_setzero_ps());
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = tile + b * kTileBytes;
+        __m512i w[8];
+        __m512 d, mins = _mm512_setzero_ps();
+        if constexpr (kBits == 4) {
+          for (int j = 0; j < 4; ++j) {
+            const __m512i v = _mm512_loadu_si512(blk + 64 * j);
+            w[j] = _mm512_and_si512(v, low4);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          }
+          d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+          mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+        } else {
+          for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
+          d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
+        }
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t row = m0 + r, rb = row * blocks + b;
+          const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
+          // Two independent chains (inputs 0-15 and 16-31) halve the dot instructions' latency.
+          __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
+          __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], broadcast4(xq + 16));
+          s0 = _mm512_dpbusd_epi32(s0, w[1], broadcast4(xq + 4));
+          s1 = _mm512_dpbusd_epi32(s1, w[5], broadcast4(xq + 20));
+          s0 = _mm512_dpbusd_epi32(s0, w[2], broadcast4(xq + 8));
+          s1 = _mm512_dpbusd_epi32(s1, w[6], broadcast4(xq + 24));
+          s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
+          s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
+          __m512i s = _mm512_add_epi32(s0, s1);
+          if constexpr (kBits == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[rb]));
+          float* out = acc + r * kQuantTile;
+          __m512 f = _mm512_load_ps(out);
+          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[rb])), f);
+          if constexpr (kBits == 4) f = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.sum[rb]), f);
+          _mm512_store_ps(out, f);
+        }
+      }
+      for (int64_t r = 0; r < count; ++r)
+        _mm512_mask_storeu_ps(y + (m0 + r) * n_out + n0, mask,
+                              _mm512_add_ps(_mm512_load_ps(acc + r * kQuantTile), bias_v));
+    }
+  }
+}
+#else
+constexpr bool kFast = false;
+#endif
+
+// The same arithmetic one value at a time, for CPUs without AVX-512 VNNI (correct, not fast).
+template <int kBits>
+void tiles_portable(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+                    int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr int64_t kTileBytes = kBits == 4 ? kQ4TileBytes : kQ8TileBytes;
+  const int64_t blocks = k / kQuantBlock;
+  auto half = [](const uint8_t* p) {
+    c10::Half h;
+    std::memcpy(&h, p, 2);
+    return static_cast<float>(h);
+  };
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n_out; ++c)
+      for (int64_t row = 0; row < rows; ++row) {
+        float f = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* blk = packed + (t * blocks + b) * kTileBytes;
+          const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
+          const int64_t rb = row * blocks + b;
+          int32_t dot = 0;
+          for (int64_t i = 0; i < kQuantBlock; ++i) {
+            int32_t wq;
+            if constexpr (kBits == 4) {
+              const uint8_t byte = blk[64 * ((i % 16) / 4) + 4 * c + i % 4];
+              wq = i < 16 ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              wq = blk[64 * (i / 4) + 4 * c + i % 4];
+            }
+            dot += wq * xq[i];
+          }
+          if constexpr (kBits == 8) dot -= 128 * a.qsum[rb];
+          const float d = half(blk + (kBits == 4 ? 256 : 512) + 2 * c);
+          f = std::fma(static_cast<float>(dot), d * a.scale[rb], f);
+          if constexpr (kBits == 4) f = std::fma(half(blk + 288 + 2 * c), a.sum[rb], f);
+        }
+        y[row * n_out + t * kQuantTile + c] = f + (bias ? bias[t * kQuantTile + c] : 0.f);
+      }
+}
+
+}  // namespace
+
+bool block_quant_fast() { return kFast; }
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t out_features,
+                        const std::optional<at::Tensor>& bias, bool portable) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.dim() == 3,
+              "packed must be contiguous uint8 [tiles, blocks, bytes]");
+  const int64_t rows = x.size(0), k = x.size(1), tiles = packed.size(0);
+  TORCH_CHECK(k % kQuantBlock == 0 && packed.size(1) == k / kQuantBlock, "in_features must match the packing");
+  TORCH_CHECK(packed.size(2) == (bits == 4 ? kQ4TileBytes : kQ8TileBytes), "packed tile size does not match bits");
+  TORCH_CHECK(tiles * kQuantTile >= out_features, "packing has too few output channels");
+  at::Tensor bias_c = bias && bias->defined() ? bias->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return y;
+  static thread_local QuantizedActivations acts;
+  quantize_rows(x, acts);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+  const QuantizedActivations& a = acts;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+    if (!portable) {
+      if (bits == 4) tiles_vnni<4>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else tiles_vnni<8>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+      return;
+    }
+#endif
+    if (bits == 4) tiles_portable<4>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+    else tiles_portable<8>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+  });
+  return y;
+}
