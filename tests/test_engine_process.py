@@ -143,6 +143,17 @@ async def test_concurrent_clients_match_offline_greedy(client: AsyncEngineClient
     assert stats["generation_tokens_total"] >= sum(len(reference[p][1]) for p in PROMPTS)
 
 
+async def test_streams_gather_tokens_but_never_hold_the_first(client: AsyncEngineClient, tiny_model: Path) -> None:
+    """A message carries the tokens of ~25 ms (stream_buffer.py); the first token comes alone, at once."""
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    deltas = await collect(client.generate("Count slowly:", params))
+    offline = LLM(str(tiny_model), num_kv_blocks=64).generate(["Count slowly:"], params)[0].outputs[0]
+    assert [t for d in deltas for t in d.token_ids] == offline.token_ids
+    assert "".join(d.text for d in deltas) == offline.text
+    assert len(deltas[0].token_ids) == 1
+    assert len(deltas) < 300 / 2  # the tiny model makes a token in ~1 ms: 300 messages without the buffer
+
+
 # -- 2. aborts: explicit, and by a reader that goes away ----------------------------------------
 
 

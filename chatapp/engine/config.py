@@ -62,6 +62,9 @@ class EngineConfig:
     8-bit blocks (a Q4_1/Q8_0 GGUF: nothing is lost) and int8 otherwise; on a GPU, none.
     "int4": 4-bit blocks for every projection, 8-bit for the LM head (block_quant.py);
     "int8": calibrated dynamic int8 (quantization.py). Both CPU only."""
+    stream_interval_ms: float = 25.0
+    """Longest a streamed token waits to share a message with the next ones (stream_buffer.py says
+    why); a request's first and last tokens never wait. 0: a message every step."""
     num_threads: int | None = None
     """torch intra-op threads on the CPU; None: the physical core count."""
     seed: int = 0
@@ -119,6 +122,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be auto, int4, int8 or None, got {cfg.quantization!r}")
         if cfg.quantization in ("int4", "int8") and cfg.device != "cpu":
             raise ValueError(f"quantization={cfg.quantization!r} runs on the CPU only (our CPU kernels)")
+        if not cfg.stream_interval_ms >= 0:
+            raise ValueError(f"stream_interval_ms must be 0 or more, got {cfg.stream_interval_ms}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")

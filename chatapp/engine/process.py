@@ -38,6 +38,7 @@ from chatapp.engine.api import EngineBusyError, ModelInfo
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
 from chatapp.engine.outputs import EngineCoreOutput
+from chatapp.engine.stream_buffer import StreamBuffer
 
 log = logging.getLogger("chatapp.engine.process")
 
@@ -119,6 +120,7 @@ class EngineServer:
         )
         self.clients: dict[bytes, _Client] = {}
         self.owner: dict[str, tuple[bytes, str]] = {}  # core request id -> (client identity, client's id)
+        self.streams = StreamBuffer(config.stream_interval_ms / 1000)
         self.core: EngineCore | None = None
         self.info: ModelInfo | None = None
         self.loader: _Loader | None = None
@@ -173,6 +175,8 @@ class EngineServer:
             stepped = self.core is not None and self.core.has_work()
             if stepped:
                 self._step()
+            elif self.streams:
+                self._flush_streams(force=True)  # nothing more is coming this step: hold nothing back
             if busy or stepped:  # engine overhead = busy loop time outside the model forward (see stats)
                 self.busy_loop_seconds += time.perf_counter() - started
         log.info("stopping: %s", self.stop_reason)
@@ -277,6 +281,7 @@ class EngineServer:
     def _drop(self, client: _Client, why: str) -> None:
         """Forget a client and abort its requests now, so their blocks are freed at once."""
         self.clients.pop(client.identity, None)
+        self.streams.forget(client.identity)
         if client.requests and self.core is not None:
             self.core.abort(list(client.requests))
         for rid in client.requests:
@@ -362,7 +367,6 @@ class EngineServer:
         return outputs
 
     def _route(self, outputs: list[EngineCoreOutput]) -> None:
-        by_client: dict[bytes, list[EngineCoreOutput]] = {}
         for out in outputs:
             owner = self.owner.get(out.request_id)
             if owner is None:
@@ -374,8 +378,12 @@ class EngineServer:
                 if client is not None:
                     client.requests.discard(out.request_id)
             out.request_id = client_rid
-            by_client.setdefault(identity, []).append(out)
-        for identity, outs in by_client.items():
+            self.streams.add(identity, out)
+        self._flush_streams()
+
+    def _flush_streams(self, force: bool = False) -> None:
+        """Send each client what is due (stream_buffer.py: a few tokens a message, never a first or last)."""
+        for identity, outs in self.streams.due(force):
             self._send(identity, ipc.Outputs(outs))
 
     # -- clients' liveness ------------------------------------------------------
