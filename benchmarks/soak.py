@@ -9,9 +9,9 @@ Reported at the end:
 - the engine process's memory (RSS, found by the engine pid from the engine's stats) after a
   warm-up and at the end, and the server process's, with the bound checked: the engine may grow by
   at most --max-growth (default 10%) from the post-warm-up sample to the end;
-- p50/p99 time to first token of streamed answers, and p50/p99 inter-token latency (the gap
-  between consecutive content chunks of a stream; the server sends one chunk per generated token
-  that has text);
+- p50/p99 time to first token of streamed answers, and p50/p99 of the gap between consecutive
+  content chunks of a stream (a chunk carries what a stream generated in up to ~25 ms: the
+  engine's stream buffer, chatapp/engine/stream_buffer.py; the first token always comes alone);
 - counts of requests, hang-ups and errors. Any 5xx, error event or broken stream is a failure, as
   is an engine that is not idle (nothing running or queued, every KV block free) once the load stops.
 
@@ -279,7 +279,7 @@ def _report(r: dict[str, Any]) -> None:
           f"{r['num_preemptions']} preemptions, prefix-cache hit rate {r['prefix_cache_hit_rate']:.2f}")
     print(f"TTFT (streamed, n={r['ttft_s']['n']}): p50 {r['ttft_s']['p50'] * 1000:.0f} ms, "
           f"p99 {r['ttft_s']['p99'] * 1000:.0f} ms")
-    print(f"inter-token latency (n={r['itl_s']['n']}): p50 {r['itl_s']['p50'] * 1000:.1f} ms, "
+    print(f"gap between streamed chunks (n={r['itl_s']['n']}): p50 {r['itl_s']['p50'] * 1000:.1f} ms, "
           f"p99 {r['itl_s']['p99'] * 1000:.1f} ms")
     print(f"engine RSS: {mem['first']:.0f} MiB at start, {mem['after_warm_up']:.0f} MiB after "
           f"{mem['warm_up_s']:.0f} s warm-up, {mem['end']:.0f} MiB at the end (max {mem['max']:.0f}); "
