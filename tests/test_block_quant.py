@@ -102,6 +102,8 @@ def test_torch_fallback_uses_the_same_weights() -> None:
     layer = BlockQuantLinear(packed, 4, 64, 48, torch.ones(48), ext=None)
     x = torch.randn(3, 64)
     assert torch.allclose(layer(x), x @ dequantize(packed, 4, 48).T + 1, atol=1e-5)
+    half = layer(x.bfloat16())  # a bfloat16 model on the CPU
+    assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), layer(x), rtol=0.05, atol=0.1)
 
 
 def test_config_accepts_int4_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -118,6 +118,9 @@ class BlockQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._ext is None:
+            if x.dtype != torch.float32:  # a bfloat16 model on the CPU
+                bias = None if self.bias is None else self.bias.to(x.dtype)
+                return nn.functional.linear(x, self._dense.to(x.dtype), bias)
             return nn.functional.linear(x, self._dense, self.bias)
         return self._ext.block_linear(x.contiguous(), self.packed, self.bits, self.out_features, self.bias)
 
