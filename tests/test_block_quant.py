@@ -10,6 +10,7 @@ from chatapp.engine import cpu_kernels
 from chatapp.engine.block_quant import BlockQuantLinear, dequantize, pack_q4, pack_q8
 from chatapp.engine.config import EngineConfig
 from benchmarks.quality import agreement, teacher_forced_logits
+from tests.quality_checks import moon_landing_logits
 
 PACKERS = {4: pack_q4, 8: pack_q8}
 
@@ -140,10 +141,7 @@ def test_auto_keeps_the_bundled_gguf_weights_exactly(bundled: tuple[LLM, LLM]) -
 
 def test_int4_logit_error_and_greedy_agreement_are_bounded(bundled: tuple[LLM, LLM]) -> None:
     fp32, auto = bundled
-    prompt = fp32.tokenizer.render_chat([{"role": "user", "content": "Tell me about the moon landing."},
-                                         {"role": "assistant", "content": "In 1969 Apollo 11 landed on the Moon."}],
-                                        add_generation_prompt=False)
-    a, b = teacher_forced_logits(fp32, prompt), teacher_forced_logits(auto, prompt)
+    a, b = moon_landing_logits(fp32, auto)
     assert float((a - b).abs().max()) < 6.0  # measured 2.4 here, 4.8 over the benchmark's prompts
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.85
     assert agreement(fp32, auto, num_tokens=12)["greedy_agreement"] > 0.88  # benchmark: 0.925 at 32 tokens

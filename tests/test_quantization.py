@@ -7,7 +7,8 @@ import torch
 
 from chatapp.engine import LLM, SamplingParams
 from chatapp.engine.quantization import Int8Linear
-from benchmarks.quality import agreement, teacher_forced_logits
+from benchmarks.quality import agreement
+from tests.quality_checks import moon_landing_logits
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,7 @@ def test_int8_linear_matches_float_per_token_with_outlier_rows() -> None:
 
 def test_logit_error_and_greedy_agreement_are_bounded(pair: tuple[LLM, LLM]) -> None:
     fp32, int8 = pair
-    prompt = fp32.tokenizer.render_chat([{"role": "user", "content": "Tell me about the moon landing."},
-                                         {"role": "assistant", "content": "In 1969 Apollo 11 landed on the Moon."}],
-                                        add_generation_prompt=False)
-    a, b = teacher_forced_logits(fp32, prompt), teacher_forced_logits(int8, prompt)
+    a, b = moon_landing_logits(fp32, int8)
     assert float((a - b).abs().max()) < 10.0  # per-tensor activations reached 22
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.85
     result = agreement(fp32, int8, num_tokens=12)  # the benchmark's measure, on its 24 prompts
