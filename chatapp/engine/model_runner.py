@@ -71,7 +71,7 @@ class ModelRunner:
 
     def _quantize(self, ext, model_dir: Path) -> None:
         """Apply config.quantization, resolving "auto" to what was applied (int4, int8 or None)."""
-        from chatapp.engine.block_quant import quantize_blocks
+        from chatapp.engine.block_quant import BLOCK, quantize_blocks
 
         cfg, start = self.config, time.perf_counter()
         if cfg.quantization == "auto":
@@ -81,7 +81,7 @@ class ModelRunner:
             if lossless:
                 log.info("weights are 4/8-bit blocks already: kept as they are (int4)")
         elif cfg.quantization == "int4" and not quantize_blocks(self.model, ext, lossless_only=False):
-            log.warning("int4 needs layer widths divisible by %d; using int8", 32)
+            log.warning("int4 needs layer widths divisible by %d; using int8", BLOCK)
             cfg.quantization = "int8"
         if cfg.quantization == "int8":
             from chatapp.engine.quantization import quantize_int8
