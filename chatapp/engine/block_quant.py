@@ -17,6 +17,7 @@ the calibrated int8 path, and ``quantization="int4"`` rounds any model to 4 bits
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -80,41 +81,127 @@ def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     return packed, error
 
 
-def dequantize(packed: torch.Tensor, bits: int, out_features: int) -> torch.Tensor:
-    """The float32 [N, K] weights a packing holds (the torch fallback and tests use it)."""
+# Packed kinds (csrc/block_quant.h): what each holds exactly.
+KIND_Q4 = 4  # 4-bit codes, fp16 scale and minimum per 32: Q4_0, Q4_1
+KIND_Q8 = 8  # 8-bit codes offset by 128, fp16 scale per 32: Q8_0, Q5_0
+KIND_Q8M = 9  # 8-bit codes, fp16 scale and minimum per 32: Q5_1
+KIND_Q4K, KIND_Q5K, KIND_Q6K = 104, 105, 106  # super-blocks of 256 with integer sub-block scales
+K_KINDS = (KIND_Q4K, KIND_Q5K, KIND_Q6K)
+SUPER_BLOCK = 256
+
+
+def block_inputs(kind: int) -> int:
+    """Input channels per packed block of this kind."""
+    return SUPER_BLOCK if kind in K_KINDS else BLOCK
+
+
+def _tile_channels(t: torch.Tensor, tiles: int, blocks: int) -> torch.Tensor:
+    """[tiles, B, 16 channels, ...] -> [tiles * 16, B, ...]."""
+    return t.transpose(1, 2).reshape(tiles * TILE, blocks, *t.shape[3:])
+
+
+def _nibble_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Q4-layout bytes [..., 4 chunks, 16 channels, 4] -> codes [..., 16 channels, 32 inputs]."""
+    low, high = codes & 0x0F, codes >> 4
+    q = torch.cat([low, high], dim=-3)  # [..., 8 registers, 16, 4]: register j holds inputs 4j..4j+3
+    return q.transpose(-3, -2).reshape(*q.shape[:-3], TILE, BLOCK)
+
+
+def _fp16_at(packed: torch.Tensor, offset: int) -> torch.Tensor:
+    """[tiles, B, bytes] -> [tiles, B, 16] float32 from 16 fp16 values at offset."""
+    return packed[..., offset : offset + 32].contiguous().view(torch.float16).float()
+
+
+def _dequantize_k(packed: torch.Tensor, kind: int) -> torch.Tensor:
+    """K kinds -> [tiles * 16, super-blocks, 256] float32, as gguf's own de-quantisation computes it."""
     tiles, blocks = packed.shape[:2]
+    groups = packed[..., :2048].reshape(tiles, blocks, 8, 4, TILE, 4)
+    q = _nibble_codes(groups).to(torch.int32)  # [tiles, B, 8 groups, 16 ch, 32]
+    if kind == KIND_Q5K:
+        plane = packed[..., 2048:2560].reshape(tiles, blocks, 8, 1, TILE, 4).to(torch.int32)
+        bits = (plane >> torch.arange(8).view(1, 1, 1, 8, 1, 1)) & 1  # [.., g, register, ch, 4]
+        q = q | (bits.transpose(-3, -2).reshape(tiles, blocks, 8, TILE, BLOCK) << 4)
+    if kind == KIND_Q6K:
+        plane = packed[..., 2048:3072].reshape(tiles, blocks, 8, 2, 1, TILE, 4).to(torch.int32)
+        bits = (plane >> (2 * torch.arange(4)).view(1, 1, 1, 1, 4, 1, 1)) & 3
+        bits = bits.reshape(tiles, blocks, 8, 8, TILE, 4).transpose(-3, -2).reshape(tiles, blocks, 8, TILE, BLOCK)
+        q = q | (bits << 4)
+    q = q.permute(0, 3, 1, 2, 4).float()  # [tiles, 16, B, 8, 32]
+    if kind == KIND_Q6K:
+        d = _fp16_at(packed, 3072).transpose(1, 2)  # [tiles, 16, B]
+        sc = packed[..., 3104:3360].reshape(tiles, blocks, 16, TILE).view(torch.int8).float().permute(0, 3, 1, 2)
+        w = (d[..., None] * sc)[..., None] * (q.reshape(tiles, TILE, blocks, 16, 16) - 32)
+        return w.reshape(tiles * TILE, blocks, SUPER_BLOCK)
+    base = 2048 if kind == KIND_Q4K else 2560
+    d, dmin = _fp16_at(packed, base).transpose(1, 2), _fp16_at(packed, base + 32).transpose(1, 2)
+    sc = packed[..., base + 64 : base + 192].reshape(tiles, blocks, 8, TILE).float().permute(0, 3, 1, 2)
+    m = packed[..., base + 192 : base + 320].reshape(tiles, blocks, 8, TILE).float().permute(0, 3, 1, 2)
+    w = (d[..., None] * sc)[..., None] * q - (dmin[..., None] * m)[..., None]
+    return w.reshape(tiles * TILE, blocks, SUPER_BLOCK)
 
-    def fp16(offset: int) -> torch.Tensor:  # [tiles, B, 16] -> [tiles * 16, B, 1]
-        v = packed[..., offset : offset + 32].contiguous().view(torch.float16).float()
-        return v.permute(0, 2, 1).reshape(tiles * TILE, blocks, 1)
 
-    if bits == 4:
-        codes = packed[..., :256].reshape(tiles, blocks, 4, TILE, 4)  # [t, b, chunk, channel, byte]
-        low, high = codes & 0x0F, codes >> 4
-        q = torch.cat([low, high], dim=2).permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks, BLOCK)
-        w = q.float() * fp16(256) + fp16(288)
+def dequantize(packed: torch.Tensor, kind: int, out_features: int) -> torch.Tensor:
+    """The float32 [N, K] weights a packing holds (the torch fallback and tests use it).
+
+    For weights from a GGUF file, the float operations are gguf's own, so the result is
+    bit for bit what ``gguf.quants.dequantize`` gives.
+    """
+    tiles, blocks = packed.shape[:2]
+    if kind in K_KINDS:
+        w = _dequantize_k(packed, kind)
+    elif kind == KIND_Q4:
+        q = _nibble_codes(packed[..., :256].reshape(tiles, blocks, 4, TILE, 4))
+        w = _tile_channels(q.float() * _fp16_at(packed, 256)[..., None] + _fp16_at(packed, 288)[..., None],
+                           tiles, blocks)
     else:
-        codes = packed[..., :512].reshape(tiles, blocks, 8, TILE, 4)
-        q = codes.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, blocks, BLOCK).float() - 128
-        w = q * fp16(512)
-    return w.reshape(tiles * TILE, blocks * BLOCK)[:out_features]
+        codes = packed[..., :512].reshape(tiles, blocks, 8, TILE, 4).transpose(2, 3).reshape(tiles, blocks, TILE, BLOCK)
+        d = _fp16_at(packed, 512)[..., None]
+        if kind == KIND_Q8:
+            w = (codes.float() - 128) * d
+        else:
+            w = d * codes.float() + _fp16_at(packed, 544)[..., None]
+        w = _tile_channels(w, tiles, blocks)
+    return w.reshape(tiles * TILE, -1)[:out_features]
+
+
+@dataclass(frozen=True)
+class PackedPart:
+    """One packed weight: its tiles, kind and real output channels (the tiles may pad them)."""
+
+    packed: torch.Tensor
+    kind: int
+    out_features: int
 
 
 class BlockQuantLinear(nn.Module):
-    """y = x @ W^T (+ b) with W in 4- or 8-bit blocks of 32; the C++ kernel where it is built.
+    """y = x @ W^T (+ b) with W in packed blocks; the C++ kernel where it is built.
 
-    Without it (no compiler) the weights are dequantized once and multiplied in float32:
-    the same weights, activations unrounded.
+    W may be several parts side by side (a fused q/k/v whose v has another type, as in
+    Q4_K_M files); each is multiplied in its own kind and the outputs are concatenated.
+    Without the kernel (no compiler) the weights are dequantized once and multiplied in
+    float32: the same weights, activations unrounded.
     """
 
-    def __init__(self, packed: torch.Tensor, bits: int, in_features: int, out_features: int,
-                 bias: torch.Tensor | None, ext: ModuleType | None) -> None:
+    def __init__(self, parts: list[PackedPart], in_features: int, bias: torch.Tensor | None,
+                 ext: ModuleType | None) -> None:
         super().__init__()
-        self.packed, self.bits = packed, bits
-        self.in_features, self.out_features = in_features, out_features
+        self.parts = _merge_parts(parts)
+        self.in_features = in_features
+        self.out_features = sum(p.out_features for p in parts)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._ext = ext
-        self._dense = None if ext is not None else dequantize(packed, bits, out_features)
+        self._dense = None
+        if ext is None:
+            self._dense = torch.cat([dequantize(p.packed, p.kind, p.out_features) for p in self.parts])
+
+    @classmethod
+    def single(cls, packed: torch.Tensor, kind: int, in_features: int, out_features: int,
+               bias: torch.Tensor | None, ext: ModuleType | None) -> "BlockQuantLinear":
+        return cls([PackedPart(packed, kind, out_features)], in_features, bias, ext)
+
+    @property
+    def kinds(self) -> tuple[int, ...]:
+        return tuple(p.kind for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._ext is None:
@@ -122,10 +209,28 @@ class BlockQuantLinear(nn.Module):
                 bias = None if self.bias is None else self.bias.to(x.dtype)
                 return nn.functional.linear(x, self._dense.to(x.dtype), bias)
             return nn.functional.linear(x, self._dense, self.bias)
-        return self._ext.block_linear(x.contiguous(), self.packed, self.bits, self.out_features, self.bias)
+        x = x.contiguous()
+        if len(self.parts) == 1:
+            p = self.parts[0]
+            return self._ext.block_linear(x, p.packed, p.kind, p.out_features, self.bias)
+        y = torch.cat([self._ext.block_linear(x, p.packed, p.kind, p.out_features) for p in self.parts], dim=1)
+        return y if self.bias is None else y.add_(self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, q{self.bits}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kinds={self.kinds}"
+
+
+def _merge_parts(parts: list[PackedPart]) -> list[PackedPart]:
+    """Neighbouring parts of one kind become one (their tiles stacked) where no tile is padded."""
+    merged: list[PackedPart] = []
+    for part in parts:
+        last = merged[-1] if merged else None
+        if last is not None and last.kind == part.kind and last.out_features % TILE == 0:
+            merged[-1] = PackedPart(torch.cat([last.packed, part.packed]), part.kind,
+                                    last.out_features + part.out_features)
+        else:
+            merged.append(part)
+    return merged
 
 
 def _pack(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, float]:
@@ -181,7 +286,7 @@ def quantize_blocks(model: LlamaForCausalLM, ext: ModuleType | None, lossless_on
         attr = name.rsplit(".", 1)[-1]
         old = getattr(owner, attr) if attr != "head" else None
         bias = None if old is None else old.bias
-        linear = BlockQuantLinear(packed, bits, weight.shape[1], weight.shape[0], bias, ext)
+        linear = BlockQuantLinear.single(packed, bits, weight.shape[1], weight.shape[0], bias, ext)
         if attr == "head":
             model.quantized_lm_head = linear
         else:

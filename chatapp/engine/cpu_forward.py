@@ -14,8 +14,7 @@ from chatapp.engine.quantization import Int8Linear
 
 def _linear_spec(linear: nn.Module) -> dict[str, Any]:
     if isinstance(linear, BlockQuantLinear):
-        return {"blocks": linear.packed, "bits": linear.bits, "out_features": linear.out_features,
-                "bias": linear.bias}
+        return {"parts": [(p.packed, p.kind, p.out_features) for p in linear.parts], "bias": linear.bias}
     if isinstance(linear, Int8Linear):
         return {
             "packed": linear._packed,

@@ -19,7 +19,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "block_quant.cpp", _CSRC / "cpu_forward.cpp"]
+_SOURCES = [_CSRC / name for name in
+            ("paged_attention_cpu.cpp", "block_quant.cpp", "kquant.cpp", "gguf_repack.cpp", "cpu_forward.cpp")]
 # -ffp-contract=off: no fused multiply-adds, so vectorised and scalar loops round alike
 # (the kernel's results must not depend on how rows are tiled).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]

@@ -102,10 +102,11 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // Output tiles [t0, t1) for every row, 64 rows at a time so the float sums stay in L1.
-template <int kBits>
+template <int kKind>
 void tiles_vnni(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
                 int64_t t1, float* y, int64_t n_out, const float* bias) {
-  constexpr int64_t kTileBytes = kBits == 4 ? kQ4TileBytes : kQ8TileBytes;
+  constexpr int64_t kTileBytes = kKind == kKindQ4 ? kQ4TileBytes : kKind == kKindQ8 ? kQ8TileBytes : kQ8MTileBytes;
+  constexpr bool kHasMin = kKind != kKindQ8;
   constexpr int64_t kRows = 64;
   const int64_t blocks = k / kQuantBlock;
   alignas(64) float acc[kRows * kQuantTile];
@@ -122,7 +123,7 @@ void tiles_vnni(const QuantizedActivations& a, int64_t rows, int64_t k, const ui
         const uint8_t* blk = tile + b * kTileBytes;
         __m512i w[8];
         __m512 d, mins = _mm512_setzero_ps();
-        if constexpr (kBits == 4) {
+        if constexpr (kKind == kKindQ4) {
           for (int j = 0; j < 4; ++j) {
             const __m512i v = _mm512_loadu_si512(blk + 64 * j);
             w[j] = _mm512_and_si512(v, low4);
@@ -133,6 +134,7 @@ void tiles_vnni(const QuantizedActivations& a, int64_t rows, int64_t k, const ui
         } else {
           for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
           d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
+          if constexpr (kHasMin) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 544)));
         }
         for (int64_t r = 0; r < count; ++r) {
           const int64_t row = m0 + r, rb = row * blocks + b;
@@ -147,11 +149,11 @@ void tiles_vnni(const QuantizedActivations& a, int64_t rows, int64_t k, const ui
           s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
           s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
           __m512i s = _mm512_add_epi32(s0, s1);
-          if constexpr (kBits == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[rb]));
+          if constexpr (kKind == kKindQ8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[rb]));
           float* out = acc + r * kQuantTile;
           __m512 f = _mm512_load_ps(out);
           f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[rb])), f);
-          if constexpr (kBits == 4) f = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.sum[rb]), f);
+          if constexpr (kHasMin) f = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.sum[rb]), f);
           _mm512_store_ps(out, f);
         }
       }
@@ -166,10 +168,12 @@ constexpr bool kFast = false;
 #endif
 
 // The same arithmetic one value at a time, for CPUs without AVX-512 VNNI (correct, not fast).
-template <int kBits>
+template <int kKind>
 void tiles_portable(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
                     int64_t t1, float* y, int64_t n_out, const float* bias) {
-  constexpr int64_t kTileBytes = kBits == 4 ? kQ4TileBytes : kQ8TileBytes;
+  constexpr int64_t kTileBytes = kKind == kKindQ4 ? kQ4TileBytes : kKind == kKindQ8 ? kQ8TileBytes : kQ8MTileBytes;
+  constexpr bool kHasMin = kKind != kKindQ8;
+  constexpr int64_t kMinOffset = kKind == kKindQ4 ? 288 : 544;
   const int64_t blocks = k / kQuantBlock;
   auto half = [](const uint8_t* p) {
     c10::Half h;
@@ -187,7 +191,7 @@ void tiles_portable(const QuantizedActivations& a, int64_t rows, int64_t k, cons
           int32_t dot = 0;
           for (int64_t i = 0; i < kQuantBlock; ++i) {
             int32_t wq;
-            if constexpr (kBits == 4) {
+            if constexpr (kKind == kKindQ4) {
               const uint8_t byte = blk[64 * ((i % 16) / 4) + 4 * c + i % 4];
               wq = i < 16 ? (byte & 0x0F) : (byte >> 4);
             } else {
@@ -195,10 +199,10 @@ void tiles_portable(const QuantizedActivations& a, int64_t rows, int64_t k, cons
             }
             dot += wq * xq[i];
           }
-          if constexpr (kBits == 8) dot -= 128 * a.qsum[rb];
-          const float d = half(blk + (kBits == 4 ? 256 : 512) + 2 * c);
+          if constexpr (kKind == kKindQ8) dot -= 128 * a.qsum[rb];
+          const float d = half(blk + (kKind == kKindQ4 ? 256 : 512) + 2 * c);
           f = std::fma(static_cast<float>(dot), d * a.scale[rb], f);
-          if constexpr (kBits == 4) f = std::fma(half(blk + 288 + 2 * c), a.sum[rb], f);
+          if constexpr (kHasMin) f = std::fma(half(blk + kMinOffset + 2 * c), a.sum[rb], f);
         }
         y[row * n_out + t * kQuantTile + c] = f + (bias ? bias[t * kQuantTile + c] : 0.f);
       }
@@ -208,35 +212,56 @@ void tiles_portable(const QuantizedActivations& a, int64_t rows, int64_t k, cons
 
 bool block_quant_fast() { return kFast; }
 
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t out_features,
+int64_t kind_tile_bytes(int64_t kind) {
+  switch (kind) {
+    case kKindQ4: return kQ4TileBytes;
+    case kKindQ8: return kQ8TileBytes;
+    case kKindQ8M: return kQ8MTileBytes;
+    case kKindQ4K: return kQ4KTileBytes;
+    case kKindQ5K: return kQ5KTileBytes;
+    case kKindQ6K: return kQ6KTileBytes;
+    default: return 0;
+  }
+}
+
+int64_t kind_block_inputs(int64_t kind) { return kind >= kKindQ4K ? kSuperBlock : kQuantBlock; }
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
                         const std::optional<at::Tensor>& bias, bool portable) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t tile_bytes = kind_tile_bytes(kind), block = kind_block_inputs(kind);
+  TORCH_CHECK(tile_bytes > 0, "unknown packed weight kind ", kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.dim() == 3,
               "packed must be contiguous uint8 [tiles, blocks, bytes]");
   const int64_t rows = x.size(0), k = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(k % kQuantBlock == 0 && packed.size(1) == k / kQuantBlock, "in_features must match the packing");
-  TORCH_CHECK(packed.size(2) == (bits == 4 ? kQ4TileBytes : kQ8TileBytes), "packed tile size does not match bits");
+  TORCH_CHECK(k % block == 0 && packed.size(1) == k / block, "in_features must match the packing");
+  TORCH_CHECK(packed.size(2) == tile_bytes, "packed tile size does not match its kind");
   TORCH_CHECK(tiles * kQuantTile >= out_features, "packing has too few output channels");
   at::Tensor bias_c = bias && bias->defined() ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
-  static thread_local QuantizedActivations acts;
-  quantize_rows(x, acts);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+  if (kind >= kKindQ4K) {
+    kquant_linear(x, pp, tiles, kind, out_features, bp, yp, portable);
+    return y;
+  }
+  static thread_local QuantizedActivations acts;
+  quantize_rows(x, acts);
   const QuantizedActivations& a = acts;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
     if (!portable) {
-      if (bits == 4) tiles_vnni<4>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-      else tiles_vnni<8>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+      if (kind == kKindQ4) tiles_vnni<kKindQ4>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else if (kind == kKindQ8) tiles_vnni<kKindQ8>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else tiles_vnni<kKindQ8M>(a, rows, k, pp, t0, t1, yp, out_features, bp);
       return;
     }
 #endif
-    if (bits == 4) tiles_portable<4>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-    else tiles_portable<8>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+    if (kind == kKindQ4) tiles_portable<kKindQ4>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+    else if (kind == kKindQ8) tiles_portable<kKindQ8>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+    else tiles_portable<kKindQ8M>(a, rows, k, pp, t0, t1, yp, out_features, bp);
   });
   return y;
 }

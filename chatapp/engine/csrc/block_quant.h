@@ -2,21 +2,48 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <tuple>
 
-// Block-quantized linear layers (see block_quant.cpp): weights in blocks of 32 input channels with
-// their own scale, as llama.cpp's Q4_1 and Q8_0, packed in tiles of 16 output channels.
-constexpr int64_t kQuantBlock = 32;  // input channels sharing one weight scale
-constexpr int64_t kQuantTile = 16;   // output channels per tile: one 512-bit register of int32 sums
+// Block-quantized linear layers (see block_quant.cpp and kquant.cpp): weights in blocks of input channels
+// with their own scales, as llama.cpp's formats, packed in tiles of 16 output channels so one 512-bit
+// register holds a tile's 16 int32 sums.
+constexpr int64_t kQuantBlock = 32;   // input channels per block (the Q4_0/Q4_1/Q5_x/Q8_0 kinds)
+constexpr int64_t kQuantTile = 16;    // output channels per tile
+constexpr int64_t kSuperBlock = 256;  // input channels per super-block (the K kinds)
 
-// Bytes of one (tile, block): 4-bit codes + fp16 scales + fp16 minimums, or 8-bit codes + fp16 scales.
+// Packed weight kinds. The numbers are part of the Python API (chatapp/engine/block_quant.py).
+//   4: 4-bit codes, fp16 scale d and minimum m per 32 (w = d*q + m): Q4_0 and Q4_1 exactly.
+//   8: 8-bit codes offset by 128, fp16 scale per 32 (w = d*(u - 128)): Q8_0 and Q5_0 exactly.
+//   9: 8-bit codes, fp16 scale and minimum per 32 (w = d*q + m): Q5_1 exactly.
+//   104 / 105 / 106: Q4_K / Q5_K / Q6_K super-blocks of 256, their integer sub-block scales kept.
+constexpr int64_t kKindQ4 = 4, kKindQ8 = 8, kKindQ8M = 9, kKindQ4K = 104, kKindQ5K = 105, kKindQ6K = 106;
+
+// Bytes of one (tile, block) for the block-of-32 kinds.
 constexpr int64_t kQ4TileBytes = kQuantTile * kQuantBlock / 2 + 2 * kQuantTile * 2;  // 320
 constexpr int64_t kQ8TileBytes = kQuantTile * kQuantBlock + kQuantTile * 2;          // 544
+constexpr int64_t kQ8MTileBytes = kQuantTile * kQuantBlock + 2 * kQuantTile * 2;     // 576
+// Bytes of one (tile, super-block) for the K kinds (layouts in kquant.cpp).
+constexpr int64_t kQ4KTileBytes = 2048 + 64 + 256;        // 2368
+constexpr int64_t kQ5KTileBytes = 2048 + 512 + 64 + 256;  // 2880
+constexpr int64_t kQ6KTileBytes = 2048 + 1024 + 32 + 256; // 3360
 
-// y [M, out_features] = x [M, K] @ W^T (+ bias); packed: uint8 [tiles, K / 32, tile bytes];
-// bits: 4 or 8. Every row is computed alike whatever else is in x (batch-invariant). portable: run the
-// plain loop even where the VNNI kernel exists (tests hold the two to the same bits).
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t out_features,
+int64_t kind_tile_bytes(int64_t kind);          // 0 for an unknown kind
+int64_t kind_block_inputs(int64_t kind);        // 32 or 256
+
+// y [M, out_features] = x [M, K] @ W^T (+ bias); packed: uint8 [tiles, K / block, tile bytes]. Every row is
+// computed alike whatever else is in x (batch-invariant). portable: run the plain loop even where the VNNI
+// kernel exists (tests hold the two to the same bits).
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
                         const std::optional<at::Tensor>& bias, bool portable = false);
+
+// The K kinds' kernel (kquant.cpp), called by block_linear.
+void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, int64_t kind, int64_t out_features,
+                   const float* bias, float* y, bool portable);
+
+// A GGUF tensor's rows (uint8 [N, row bytes], as the file stores them) -> (packed, kind). Every weight is
+// kept exactly: no rounding happens here. ggml_type: the file's type id (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7,
+// Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14).
+std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t k);
 
 // True where the AVX-512 VNNI kernel was compiled in; elsewhere a portable (slow) loop runs.
 bool block_quant_fast();

@@ -160,8 +160,8 @@ struct AnchorBuffer {
 
 struct Linear {
   c10::intrusive_ptr<LinearPackedParamsBase> packed;  // int8 (fbgemm) when set
-  at::Tensor blocks;                                   // 4- or 8-bit blocks (block_quant.cpp) when defined
-  int64_t block_bits = 0, out_features = 0;
+  std::vector<at::Tensor> parts;                       // block-quantized weights (block_quant.h) when set:
+  std::vector<int64_t> part_kinds, part_outs;          // one per kind, their outputs side by side
   at::Tensor weight;                                   // float32 [N, K] otherwise
   at::Tensor bias;                                     // optional
   std::vector<int64_t> outliers;                       // input channels kept in float (int8 only)
@@ -169,7 +169,13 @@ struct Linear {
   std::shared_ptr<AnchorBuffer> buffer;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (blocks.defined()) return block_linear(x, blocks, block_bits, out_features, bias);
+    if (parts.size() == 1) return block_linear(x, parts[0], part_kinds[0], part_outs[0], bias);
+    if (!parts.empty()) {  // e.g. q and k in Q4_K beside v in Q6_K (Q4_K_M files)
+      std::vector<at::Tensor> ys;
+      for (size_t i = 0; i < parts.size(); ++i) ys.push_back(block_linear(x, parts[i], part_kinds[i], part_outs[i], {}));
+      at::Tensor y = at::cat(ys, 1);
+      return bias.defined() ? y.add_(bias) : y;
+    }
     if (!packed) return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     const int64_t rows = x.size(0), k = x.size(1), x_stride = x.stride(0);
     const int64_t n_out = static_cast<int64_t>(outliers.size());
@@ -237,14 +243,16 @@ class CpuModel {
         scale_(1.0 / std::sqrt(static_cast<double>(head_dim))), final_norm_(final_norm) {}
 
   // spec: {"weight", "bias"} for a float layer, {"packed", "in_features", "outliers", "outlier_rows", "bias"} for
-  // int8, {"blocks", "bits", "out_features", "bias"} for block-quantized weights.
+  // int8, {"parts": [(packed, kind, out_features), ...], "bias"} for block-quantized weights.
   Linear make_linear(const py::dict& spec) {
     Linear lin;
     if (spec.contains("bias") && !spec["bias"].is_none()) lin.bias = spec["bias"].cast<at::Tensor>().contiguous();
-    if (spec.contains("blocks")) {
-      lin.blocks = spec["blocks"].cast<at::Tensor>();
-      lin.block_bits = spec["bits"].cast<int64_t>();
-      lin.out_features = spec["out_features"].cast<int64_t>();
+    if (spec.contains("parts")) {
+      for (const auto& part : spec["parts"].cast<std::vector<std::tuple<at::Tensor, int64_t, int64_t>>>()) {
+        lin.parts.push_back(std::get<0>(part));
+        lin.part_kinds.push_back(std::get<1>(part));
+        lin.part_outs.push_back(std::get<2>(part));
+      }
       return lin;
     }
     if (!spec.contains("packed")) {
@@ -314,9 +322,11 @@ class CpuModel {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU, float32)");
-  m.def("block_linear", &block_linear, "x @ W^T with W in 4- or 8-bit blocks of 32 (CPU, float32)", py::arg("x"),
-        py::arg("packed"), py::arg("bits"), py::arg("out_features"), py::arg("bias") = py::none(),
+  m.def("block_linear", &block_linear, "x @ W^T with W in a packed block-quantized kind (CPU, float32)",
+        py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("portable") = false);
+  m.def("repack_gguf", &repack_gguf, "GGUF tensor rows -> (packed, kind), every weight exact", py::arg("raw"),
+        py::arg("ggml_type"), py::arg("k"));
   m.def("block_quant_fast", &block_quant_fast, "whether the AVX-512 VNNI block kernel was compiled in");
   py::class_<CpuModel>(m, "CpuModel")
       .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor>())

@@ -1,0 +1,228 @@
+// GGUF tensor rows -> our packed tile layouts, every weight kept exactly (no rounding anywhere).
+//
+// Why here and not in numpy: a 4-8 GB file is repacked at every start, and a plain C++ pass over the
+// bytes (in parallel over tiles) takes a fraction of a second per GB where numpy's many whole-array
+// passes would take many seconds and memory for temporaries.
+//
+// Each GGUF block is first decoded to its integer codes and scales as the file defines them (ggml's
+// block layouts), then written into the layout of block_quant.cpp (block-of-32 kinds) or kquant.cpp
+// (K kinds). Which kind holds which type, exactly:
+//   Q4_0 -> kind 4 (m = -8 d, exact in fp16)   Q4_1 -> kind 4   Q8_0 -> kind 8
+//   Q5_0 -> kind 8 (u = q + 112)               Q5_1 -> kind 9
+//   Q4_K -> 104   Q5_K -> 105   Q6_K -> 106
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+
+#include "block_quant.h"
+
+namespace {
+
+// ggml type ids (ggml.h) and block bytes.
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+
+int64_t gguf_block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+int64_t kind_for(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: return kKindQ4;
+    case kQ5_0: case kQ8_0: return kKindQ8;
+    case kQ5_1: return kKindQ8M;
+    case kQ4_K: return kKindQ4K;
+    case kQ5_K: return kKindQ5K;
+    case kQ6_K: return kKindQ6K;
+    default: return 0;
+  }
+}
+
+uint16_t u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// One block of 32 decoded: codes as the packed kind stores them, fp16 scale and minimum bits.
+struct Block32 {
+  uint8_t code[32];
+  uint16_t d, m;
+};
+
+Block32 decode_block32(int64_t type, const uint8_t* p) {
+  Block32 b{};
+  b.d = u16(p);
+  switch (type) {
+    case kQ4_0: {
+      const float m = -8.f * static_cast<float>(c10::Half(b.d, c10::Half::from_bits()));
+      const c10::Half mh(m);
+      std::memcpy(&b.m, &mh, 2);
+      for (int i = 0; i < 32; ++i) b.code[i] = i < 16 ? p[2 + i] & 0x0F : p[2 + i - 16] >> 4;
+      break;
+    }
+    case kQ4_1:
+      b.m = u16(p + 2);
+      for (int i = 0; i < 32; ++i) b.code[i] = i < 16 ? p[4 + i] & 0x0F : p[4 + i - 16] >> 4;
+      break;
+    case kQ5_0: {
+      const uint32_t qh = u32(p + 2);
+      for (int i = 0; i < 32; ++i) {
+        const int low = i < 16 ? p[6 + i] & 0x0F : p[6 + i - 16] >> 4;
+        b.code[i] = static_cast<uint8_t>((low | ((qh >> i) & 1) << 4) + 112);  // (q - 16) + 128
+      }
+      break;
+    }
+    case kQ5_1: {
+      b.m = u16(p + 2);
+      const uint32_t qh = u32(p + 4);
+      for (int i = 0; i < 32; ++i) {
+        const int low = i < 16 ? p[8 + i] & 0x0F : p[8 + i - 16] >> 4;
+        b.code[i] = static_cast<uint8_t>(low | ((qh >> i) & 1) << 4);
+      }
+      break;
+    }
+    default:  // Q8_0
+      for (int i = 0; i < 32; ++i) b.code[i] = static_cast<uint8_t>(static_cast<int8_t>(p[2 + i]) + 128);
+  }
+  return b;
+}
+
+// One super-block of 256 decoded: codes 0..15/31/63, integer sub-block scales (and minimums).
+struct Block256 {
+  uint8_t code[256];
+  int8_t sc[16];  // Q6_K: 16 signed scales of 16 inputs; Q4_K/Q5_K: 8 of 32 (6-bit, unsigned)
+  uint8_t m[8];
+  uint16_t d, dmin;
+};
+
+void scale_min_k4(const uint8_t* s, int j, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+Block256 decode_block256(int64_t type, const uint8_t* p) {
+  Block256 b{};
+  if (type == kQ6_K) {
+    const uint8_t *ql = p, *qh = p + 128;
+    for (int s = 0; s < 16; ++s) b.sc[s] = static_cast<int8_t>(p[192 + s]);
+    b.d = u16(p + 208);
+    for (int w = 0; w < 256; ++w) {
+      const int h = w / 128, rem = w % 128;
+      const uint8_t byte = ql[64 * h + rem % 64];
+      const int low = rem < 64 ? byte & 0x0F : byte >> 4;
+      const int high = (qh[32 * h + rem % 32] >> (2 * (rem / 32))) & 3;
+      b.code[w] = static_cast<uint8_t>(low | high << 4);
+    }
+    return b;
+  }
+  b.d = u16(p);
+  b.dmin = u16(p + 2);
+  const uint8_t* scales = p + 4;
+  for (int j = 0; j < 8; ++j) {
+    uint8_t sc, m;
+    scale_min_k4(scales, j, sc, m);
+    b.sc[j] = static_cast<int8_t>(sc);
+    b.m[j] = m;
+  }
+  const uint8_t* qh = type == kQ5_K ? p + 16 : nullptr;
+  const uint8_t* qs = type == kQ5_K ? p + 48 : p + 16;
+  for (int w = 0; w < 256; ++w) {
+    const int l = w % 64;
+    const uint8_t byte = qs[32 * (w / 64) + l % 32];
+    int q = l < 32 ? byte & 0x0F : byte >> 4;
+    if (qh) q |= ((qh[w % 32] >> (w / 32)) & 1) << 4;
+    b.code[w] = static_cast<uint8_t>(q);
+  }
+  return b;
+}
+
+// Channel c's 32 codes of one block in the Q4 nibble layout (chunk j, byte 4c + i: inputs 4j+i | 16+4j+i).
+void put_nibbles(uint8_t* dst, int64_t c, const uint8_t* code) {
+  for (int in = 0; in < 16; ++in)
+    dst[64 * (in / 4) + 4 * c + in % 4] = static_cast<uint8_t>((code[in] & 0x0F) | ((code[in + 16] & 0x0F) << 4));
+}
+
+void write_block32(uint8_t* blk, int64_t kind, int64_t c, const Block32& b) {
+  if (kind == kKindQ4) {
+    put_nibbles(blk, c, b.code);
+    std::memcpy(blk + 256 + 2 * c, &b.d, 2);
+    std::memcpy(blk + 288 + 2 * c, &b.m, 2);
+    return;
+  }
+  for (int in = 0; in < 32; ++in) blk[64 * (in / 4) + 4 * c + in % 4] = b.code[in];
+  std::memcpy(blk + 512 + 2 * c, &b.d, 2);
+  if (kind == kKindQ8M) std::memcpy(blk + 544 + 2 * c, &b.m, 2);
+}
+
+void write_block256(uint8_t* blk, int64_t kind, int64_t c, const Block256& b) {
+  for (int g = 0; g < 8; ++g) put_nibbles(blk + 256 * g, c, b.code + 32 * g);
+  for (int g = 0; g < 8; ++g)
+    for (int in = 0; in < 32; ++in) {
+      const int reg = (in % 16) / 4 + 4 * (in / 16), lane = static_cast<int>(4 * c + in % 4);
+      const int high = b.code[32 * g + in] >> 4;
+      if (kind == kKindQ5K) blk[2048 + 64 * g + lane] |= static_cast<uint8_t>(high << reg);
+      if (kind == kKindQ6K) blk[2048 + 128 * g + 64 * (reg / 4) + lane] |= static_cast<uint8_t>(high << (2 * (reg % 4)));
+    }
+  if (kind == kKindQ6K) {
+    std::memcpy(blk + 3072 + 2 * c, &b.d, 2);
+    for (int s = 0; s < 16; ++s) blk[3104 + 16 * s + c] = static_cast<uint8_t>(b.sc[s]);
+    return;
+  }
+  const int64_t base = kind == kKindQ4K ? 2048 : 2560;
+  std::memcpy(blk + base + 2 * c, &b.d, 2);
+  std::memcpy(blk + base + 32 + 2 * c, &b.dmin, 2);
+  for (int g = 0; g < 8; ++g) {
+    blk[base + 64 + 16 * g + c] = static_cast<uint8_t>(b.sc[g]);
+    blk[base + 192 + 16 * g + c] = b.m[g];
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t k) {
+  const int64_t kind = kind_for(ggml_type), block_bytes = gguf_block_bytes(ggml_type);
+  TORCH_CHECK(kind != 0, "GGUF type ", ggml_type, " has no packed kind");
+  const int64_t block = kind_block_inputs(kind), tile_bytes = kind_tile_bytes(kind);
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.stride(1) == 1, "raw must be uint8 [N, row bytes]");
+  TORCH_CHECK(k % block == 0, "row length ", k, " is not a whole number of ", block, "-weight blocks");
+  const int64_t n = raw.size(0), blocks = k / block, row_stride = raw.stride(0);
+  TORCH_CHECK(raw.size(1) == blocks * block_bytes, "row bytes ", raw.size(1), " do not match ", k, " weights of this type");
+  const int64_t tiles = (n + kQuantTile - 1) / kQuantTile;
+  at::Tensor packed = at::zeros({tiles, blocks, tile_bytes}, at::kByte);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n; ++c) {
+        const uint8_t* row = src + (t * kQuantTile + c) * row_stride;
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint8_t* blk = dst + (t * blocks + b) * tile_bytes;
+          if (block == kQuantBlock) write_block32(blk, kind, c, decode_block32(ggml_type, row + b * block_bytes));
+          else write_block256(blk, kind, c, decode_block256(ggml_type, row + b * block_bytes));
+        }
+      }
+  });
+  return {packed, kind};
+}

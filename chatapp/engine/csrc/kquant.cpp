@@ -1,0 +1,308 @@
+// Linear layers on llama.cpp's K-quant weights (Q4_K, Q5_K, Q6_K), kept exactly as the file has them.
+//
+// Why: Q4_K_M files (Q4_K with Q6_K for some tensors) are what people download. Their weights live in
+// super-blocks of 256 inputs: one fp16 scale d (and minimum scale dmin) per super-block and small
+// integer scales per sub-block, so a weight is d * sc * q - dmin * m (Q4_K, Q5_K) or d * sc * (q - 32)
+// (Q6_K). A float scale per sub-block would not hold d * sc exactly in fp16, and 32-bit ones would read
+// a third more bytes per token; keeping the integer scales keeps both the weights and the bytes.
+//
+// How: activations are quantized per row and per super-block to int8 with one float scale dx (and the
+// exact integer sums of each 16 codes). For a tile of 16 output channels and one group of 32 inputs,
+// 8 AVX-512 VNNI dot instructions give each channel's exact int32 dot; the integer sub-block scales
+// multiply it and it is summed in int32 over the super-block (exact: no overflow is possible with these
+// ranges), then the super-block's float scales apply once:
+//   Q4_K / Q5_K: y += isum * (d * dx) - imin * (dmin * dx),  isum = sum_g sc_g * dot_g, imin = sum_g m_g * xsum_g
+//   Q6_K:        y += isum * (d * dx),  isum = sum_s sc_s * (dot_s - 32 * xsum_s)  (sub-blocks of 16)
+// Every output runs this same sequence whatever the batch holds: answers are batch-invariant, and the
+// portable loop below does the same arithmetic one value at a time (tests hold the two to the same bits).
+//
+// Packed layout, per linear: [tiles of 16 output channels][super-blocks][tile bytes]. The codes of
+// group g (inputs 32g..32g+31) take 256 bytes at 256g in the Q4 layout of block_quant.cpp: in chunk j
+// (64 bytes), byte 4c + i holds channel c's input 4j + i in its low nibble and 16 + 4j + i in its high
+// nibble. Then, by kind:
+//   Q4_K: d[16] fp16 @2048, dmin[16] fp16 @2080, sc[8 groups][16] u8 @2112, m[8][16] u8 @2240.
+//   Q5_K: each group's fifth bits @2048 + 64g (byte p, bit j: the code of register j, lane p, see
+//         unpack below), then d @2560, dmin @2592, sc @2624, m @2752.
+//   Q6_K: each group's bits 4-5 @2048 + 128g (two 64-byte planes, registers 0-3 and 4-7, two bits each),
+//         then d[16] fp16 @3072, sc[16 sub-blocks][16] int8 @3104.
+// gguf_repack.cpp writes all three.
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "block_quant.h"
+
+namespace {
+
+// Activations per row: int8 codes, one scale per super-block and the integer sum of each 16 codes.
+struct SuperBlockActivations {
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> scale;    // [M, K / 256]
+  std::vector<int32_t> sum16;  // [M, K / 16]
+
+  void resize(int64_t rows, int64_t k) {
+    if (q.size() < static_cast<size_t>(rows * k)) q.resize(rows * k);
+    if (scale.size() < static_cast<size_t>(rows * (k / kSuperBlock))) scale.resize(rows * (k / kSuperBlock));
+    if (sum16.size() < static_cast<size_t>(rows * (k / 16))) sum16.resize(rows * (k / 16));
+  }
+};
+
+void quantize_row_superblocks(const float* x, int64_t k, int8_t* q, float* scale, int32_t* sum16) {
+  for (int64_t b = 0; b < k / kSuperBlock; ++b) {
+    const float* xb = x + b * kSuperBlock;
+    int8_t* qb = q + b * kSuperBlock;
+    float amax = 0.f;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_setzero_ps();
+    for (int i = 0; i < kSuperBlock; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+    amax = _mm512_reduce_max_ps(m);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    for (int i = 0; i < kSuperBlock; i += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv));  // nearest even
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i), _mm512_cvtsepi32_epi8(v));
+      sum16[b * 16 + i / 16] = _mm512_reduce_add_epi32(v);
+    }
+#else
+    for (int64_t i = 0; i < kSuperBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t s = 0; s < 16; ++s) {
+      int32_t total = 0;
+      for (int64_t i = 16 * s; i < 16 * s + 16; ++i) {
+        const int32_t v = std::clamp(static_cast<int32_t>(std::nearbyint(xb[i] * inv)), -128, 127);
+        qb[i] = static_cast<int8_t>(v);
+        total += v;
+      }
+      sum16[b * 16 + s] = total;
+    }
+#endif
+    scale[b] = amax / 127.f;
+  }
+}
+
+void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a) {
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0);
+  a.resize(rows, k);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row_superblocks(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * (k / kSuperBlock),
+                               a.sum16.data() + r * (k / 16));
+  });
+}
+
+struct KindLayout {
+  int64_t tile_bytes, d_offset, dmin_offset, sc_offset, m_offset, high_offset, high_stride;
+};
+
+constexpr KindLayout layout_of(int64_t kind) {
+  return kind == kKindQ4K   ? KindLayout{kQ4KTileBytes, 2048, 2080, 2112, 2240, 0, 0}
+         : kind == kKindQ5K ? KindLayout{kQ5KTileBytes, 2560, 2592, 2624, 2752, 2048, 64}
+                            : KindLayout{kQ6KTileBytes, 3072, 0, 3104, 0, 2048, 128};
+}
+
+inline float half_at(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+// The code of channel c's input i (0..255) of a (tile, super-block), as the kernel sees it.
+template <int64_t kKind>
+inline int32_t code_at(const uint8_t* blk, int64_t c, int64_t i) {
+  constexpr KindLayout L = layout_of(kKind);
+  const int64_t g = i / 32, in = i % 32, half = in / 16, j = (in % 16) / 4, lane = 4 * c + in % 4;
+  const uint8_t byte = blk[256 * g + 64 * j + lane];
+  int32_t q = half ? byte >> 4 : byte & 0x0F;
+  const int64_t reg = j + 4 * half;  // the register (0..7) holding this input
+  if constexpr (kKind == kKindQ5K) q |= ((blk[L.high_offset + 64 * g + lane] >> reg) & 1) << 4;
+  if constexpr (kKind == kKindQ6K)
+    q |= ((blk[L.high_offset + 128 * g + 64 * (reg / 4) + lane] >> (2 * (reg % 4))) & 3) << 4;
+  return q;
+}
+
+template <int64_t kKind>
+void tiles_portable(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+                    int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr KindLayout L = layout_of(kKind);
+  const int64_t blocks = k / kSuperBlock;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n_out; ++c)
+      for (int64_t row = 0; row < rows; ++row) {
+        float f = 0.f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint8_t* blk = packed + (t * blocks + b) * L.tile_bytes;
+          const int8_t* xq = a.q.data() + row * k + b * kSuperBlock;
+          const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16;
+          const float dx = a.scale[row * blocks + b];
+          int32_t isum = 0, imin = 0;
+          for (int64_t s = 0; s < 16; ++s) {  // sub-blocks of 16 inputs
+            int32_t dot = 0;
+            for (int64_t i = 16 * s; i < 16 * s + 16; ++i) dot += code_at<kKind>(blk, c, i) * xq[i];
+            if constexpr (kKind == kKindQ6K) {
+              isum += static_cast<int8_t>(blk[L.sc_offset + 16 * s + c]) * (dot - 32 * xs[s]);
+            } else {
+              isum += blk[L.sc_offset + 16 * (s / 2) + c] * dot;
+              imin += blk[L.m_offset + 16 * (s / 2) + c] * xs[s];
+            }
+          }
+          f = std::fma(static_cast<float>(isum), half_at(blk + L.d_offset + 2 * c) * dx, f);
+          if constexpr (kKind != kKindQ6K)
+            f = std::fma(-static_cast<float>(imin), half_at(blk + L.dmin_offset + 2 * c) * dx, f);
+        }
+        y[row * n_out + t * kQuantTile + c] = f + (bias ? bias[t * kQuantTile + c] : 0.f);
+      }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+constexpr bool kFast = true;
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int64_t kKind>
+void tiles_vnni(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+                int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr KindLayout L = layout_of(kKind);
+  constexpr int64_t kRows = 32;
+  const int64_t blocks = k / kSuperBlock;
+  alignas(64) float acc[kRows * kQuantTile];
+  alignas(64) int32_t isum[kRows * kQuantTile];
+  alignas(64) int32_t imin[kRows * kQuantTile];
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = packed + t * blocks * L.tile_bytes;
+    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+      const int64_t count = std::min(kRows, rows - m0);
+      for (int64_t r = 0; r < count; ++r) _mm512_store_ps(acc + r * kQuantTile, _mm512_setzero_ps());
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = tile + b * L.tile_bytes;
+        for (int64_t r = 0; r < count; ++r) {
+          _mm512_store_si512(isum + r * kQuantTile, _mm512_setzero_si512());
+          if constexpr (kKind != kKindQ6K) _mm512_store_si512(imin + r * kQuantTile, _mm512_setzero_si512());
+        }
+        for (int64_t g = 0; g < 8; ++g) {
+          const uint8_t* codes = blk + 256 * g;
+          __m512i w[8];
+          for (int j = 0; j < 4; ++j) {
+            const __m512i v = _mm512_loadu_si512(codes + 64 * j);
+            w[j] = _mm512_and_si512(v, low4);
+            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          }
+          if constexpr (kKind == kKindQ5K) {
+            const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 64 * g);
+            // register j's fifth bits are bit j of each byte: move it to bit 4 (shifts are 16-bit, so mask)
+            w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+            w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+            w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
+            w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
+            w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, bit4));
+            w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4));
+            w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4));
+            w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4));
+          }
+          if constexpr (kKind == kKindQ6K) {
+            for (int p = 0; p < 2; ++p) {
+              const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 128 * g + 64 * p);
+              // register 4p + j's bits are bits 2j..2j+1 of each byte: move them to bits 4-5
+              w[4 * p + 0] = _mm512_or_si512(w[4 * p + 0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
+              w[4 * p + 1] = _mm512_or_si512(w[4 * p + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
+              w[4 * p + 2] = _mm512_or_si512(w[4 * p + 2], _mm512_and_si512(h, bits45));
+              w[4 * p + 3] = _mm512_or_si512(w[4 * p + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), bits45));
+            }
+          }
+          __m512i sc0, sc1, mv = _mm512_setzero_si512();
+          if constexpr (kKind == kKindQ6K) {
+            sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g)));
+            sc1 = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g + 16)));
+          } else {
+            sc0 = sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g)));
+            mv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.m_offset + 16 * g)));
+          }
+          for (int64_t r = 0; r < count; ++r) {
+            const int64_t row = m0 + r;
+            const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
+            const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
+            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
+            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], broadcast4(xq + 16));
+            s0 = _mm512_dpbusd_epi32(s0, w[1], broadcast4(xq + 4));
+            s1 = _mm512_dpbusd_epi32(s1, w[5], broadcast4(xq + 20));
+            s0 = _mm512_dpbusd_epi32(s0, w[2], broadcast4(xq + 8));
+            s1 = _mm512_dpbusd_epi32(s1, w[6], broadcast4(xq + 24));
+            s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
+            s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
+            int32_t* is = isum + r * kQuantTile;
+            __m512i total = _mm512_load_si512(is);
+            if constexpr (kKind == kKindQ6K) {
+              s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * xs[0]));
+              s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * xs[1]));
+              total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
+            } else {
+              total = _mm512_add_epi32(total, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc0));
+              int32_t* im = imin + r * kQuantTile;
+              _mm512_store_si512(im, _mm512_add_epi32(_mm512_load_si512(im),
+                                                      _mm512_mullo_epi32(mv, _mm512_set1_epi32(xs[0] + xs[1]))));
+            }
+            _mm512_store_si512(is, total);
+          }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
+        __m512 dmin = _mm512_setzero_ps();
+        if constexpr (kKind != kKindQ6K)
+          dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
+        for (int64_t r = 0; r < count; ++r) {
+          const __m512 dx = _mm512_set1_ps(a.scale[(m0 + r) * blocks + b]);
+          float* out = acc + r * kQuantTile;
+          __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum + r * kQuantTile)),
+                                     _mm512_mul_ps(d, dx), _mm512_load_ps(out));
+          if constexpr (kKind != kKindQ6K)
+            f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(imin + r * kQuantTile)),
+                                 _mm512_mul_ps(dmin, dx), f);
+          _mm512_store_ps(out, f);
+        }
+      }
+      for (int64_t r = 0; r < count; ++r)
+        _mm512_mask_storeu_ps(y + (m0 + r) * n_out + n0, mask,
+                              _mm512_add_ps(_mm512_load_ps(acc + r * kQuantTile), bias_v));
+    }
+  }
+}
+#else
+constexpr bool kFast = false;
+#endif
+
+template <int64_t kKind>
+void run_tiles(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+               int64_t t1, float* y, int64_t n_out, const float* bias, bool portable) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+  if (!portable) return tiles_vnni<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
+#endif
+  tiles_portable<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
+}
+
+}  // namespace
+
+void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, int64_t kind, int64_t out_features,
+                   const float* bias, float* y, bool portable) {
+  (void)kFast;
+  static thread_local SuperBlockActivations acts;
+  quantize_superblock_rows(x, acts);
+  const SuperBlockActivations& a = acts;
+  const int64_t rows = x.size(0), k = x.size(1);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    if (kind == kKindQ4K) run_tiles<kKindQ4K>(a, rows, k, packed, t0, t1, y, out_features, bias, portable);
+    else if (kind == kKindQ5K) run_tiles<kKindQ5K>(a, rows, k, packed, t0, t1, y, out_features, bias, portable);
+    else run_tiles<kKindQ6K>(a, rows, k, packed, t0, t1, y, out_features, bias, portable);
+  });
+}
