@@ -3,8 +3,9 @@
 A model is named by a path (a Hugging Face model directory or a GGUF file), by
 a Hugging Face repo id already in the shared HF cache (``owner/name``, or
 ``owner/name:file.gguf`` for one GGUF file of a repo), or not at all (the
-bundled SmolLM2). GGUF files are converted once to float32 safetensors under
-the cache directory, because loading GGUF through transformers takes ~30 s.
+bundled SmolLM2). A GGUF file is handed to the engine as it is: its loader reads
+the file in place (chatapp/engine/models/gguf_loader.py). Earlier versions kept a
+float32 conversion of each GGUF file in the cache; `models rm` deletes those.
 
 The store also lists what is there (`list_models`), remembers paths the user
 pointed to in a small registry file, and removes models (`plan_removal`) --
@@ -50,7 +51,7 @@ class ModelStoreError(ValueError):
 @dataclass(frozen=True)
 class ResolvedModel:
     name: str  # what to show the user and report as the model id
-    path: Path  # a directory with config.json, *.safetensors and the tokenizer
+    path: Path  # a .gguf file, or a directory with config.json, *.safetensors and the tokenizer
     source: str  # "bundled", "gguf", "directory" or "hf-cache"
 
 
@@ -74,7 +75,7 @@ def resolve_model(spec: str | None, *, remember: bool = False) -> ResolvedModel:
     so `chatapp models list` shows it next time.
     """
     if spec is None or spec in (BUNDLED_NAME, "default"):
-        return ResolvedModel(BUNDLED_NAME, converted_gguf_dir(bundled_gguf_path()), "bundled")
+        return ResolvedModel(BUNDLED_NAME, bundled_gguf_path(), "bundled")
     path = Path(spec).expanduser()
     if path.exists():
         resolved = _resolve_path(path)
@@ -89,7 +90,7 @@ def resolve_model(spec: str | None, *, remember: bool = False) -> ResolvedModel:
 
 def _resolve_path(path: Path) -> ResolvedModel:
     if path.is_file() and path.suffix == ".gguf":
-        return ResolvedModel(path.stem, converted_gguf_dir(path), "gguf")
+        return ResolvedModel(path.stem, path, "gguf")
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -114,7 +115,7 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
             have = f" (cached GGUF files: {', '.join(ggufs)})" if ggufs else ""
             raise ModelNotFoundError(f"{filename} of {repo_id} is not downloaded{have}; "
                                      f"run `chatapp models pull {spec}`")
-        return ResolvedModel(spec, converted_gguf_dir(snapshot / filename), "gguf")
+        return ResolvedModel(spec, snapshot / filename, "gguf")
     if (snapshot / "config.json").exists():
         weights = safetensors_files(snapshot)
         if not weights or not all(w.exists() for w in weights):
@@ -122,7 +123,7 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
                                      "again to finish it")
         return ResolvedModel(repo_id, snapshot, "hf-cache")
     if len(ggufs) == 1:
-        return ResolvedModel(f"{repo_id}:{ggufs[0]}", converted_gguf_dir(snapshot / ggufs[0]), "gguf")
+        return ResolvedModel(f"{repo_id}:{ggufs[0]}", snapshot / ggufs[0], "gguf")
     if ggufs:
         raise ModelNotFoundError(f"{repo_id} has several GGUF files cached; name one: "
                                  + ", ".join(f"{repo_id}:{g}" for g in ggufs))
@@ -148,7 +149,7 @@ def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
     return snapshot if snapshot.is_dir() else None
 
 
-# --- GGUF conversion ----------------------------------------------------------------------------
+# --- legacy GGUF conversions ---------------------------------------------------------------------
 
 
 def _file_digest(path: Path) -> str:
@@ -160,57 +161,8 @@ def _file_digest(path: Path) -> str:
 
 
 def conversion_dir(gguf: Path) -> Path:
-    """Where the safetensors conversion of ``gguf`` lives (it may not exist yet)."""
+    """Where an earlier chatapp kept the float32 conversion of ``gguf`` (no longer made or read)."""
     return paths.cache_dir() / "converted" / f"{gguf.stem}-{_file_digest(gguf)}"
-
-
-def converted_gguf_dir(gguf: Path) -> Path:
-    """The safetensors conversion of a GGUF file, made on first use and cached."""
-    dest = conversion_dir(gguf)
-    if (dest / "config.json").exists():
-        return dest
-    start = time.perf_counter()
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _convert_gguf(gguf, tmp)
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if not (dest / "config.json").exists():  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("converted %s to safetensors in %.1f s (cached at %s)", gguf.name, time.perf_counter() - start, dest)
-    return dest
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """De-quantise a GGUF model through transformers and save it as float32 safetensors.
-
-    transformers' save_pretrained() refuses models loaded from GGUF, so the
-    tensors, config and tokenizer are written here directly.
-    """
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out.mkdir(parents=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    state = model.state_dict()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt", "source": gguf.name})
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_name_or_path", None)
-    config["architectures"] = [type(model).__name__]
-    config["torch_dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
 
 # --- the registry of paths the user pointed to -------------------------------------------------
@@ -408,7 +360,7 @@ def plan_removal(model: LocalModel) -> Removal:
                               "package and cannot be removed")
     conversions = _existing_conversions(model)
     conv_bytes = sum(_dir_size(d) for d in conversions)
-    conv_note = f", and its converted copy in the chatapp cache ({_fmt(conv_bytes)})" if conversions else ""
+    conv_note = f", and its cached files in the chatapp cache ({_fmt(conv_bytes)})" if conversions else ""
     actions: list[Callable[[], None]] = [lambda d=d: shutil.rmtree(d, ignore_errors=True) for d in conversions]
     if model.source in ("directory", "gguf"):
         actions.insert(0, lambda: forget_path(model.path))
@@ -433,19 +385,19 @@ def plan_removal(model: LocalModel) -> Removal:
 
 
 def _existing_conversions(model: LocalModel) -> list[Path]:
-    """Our float32 conversions of the model's GGUF files (a cache we may always delete)."""
+    """Our cached files for the model's GGUF files: its tokenizer and an earlier version's float32
+    conversion (a cache we may always delete)."""
     if model.path.is_file() and model.path.suffix == ".gguf":
         ggufs = [model.path]
     elif model.source == "hf-cache" and model.path.is_dir():
         ggufs = list(model.path.rglob("*.gguf"))
     else:
         return []
-    try:
-        bundled = conversion_dir(bundled_gguf_path())
-    except ModelNotFoundError:
-        bundled = None
-    dirs = {conversion_dir(g) for g in ggufs if g.exists()}
-    return sorted(d for d in dirs if d.exists() and d != bundled)
+    from chatapp.engine.tokenizer import gguf_tokenizer_cache
+
+    existing = [g for g in ggufs if g.exists()]
+    dirs = {conversion_dir(g) for g in existing} | {gguf_tokenizer_cache(g) for g in existing}
+    return sorted(d for d in dirs if d.exists())
 
 
 def _dir_size(path: Path) -> int:

@@ -100,7 +100,7 @@ def test_block_linear_rejects_mismatched_packing(ext) -> None:
 def test_torch_fallback_uses_the_same_weights() -> None:
     torch.manual_seed(4)
     packed, _ = pack_q4(torch.randn(48, 64))
-    layer = BlockQuantLinear(packed, 4, 64, 48, torch.ones(48), ext=None)
+    layer = BlockQuantLinear.single(packed, 4, 64, 48, torch.ones(48), ext=None)
     x = torch.randn(3, 64)
     assert torch.allclose(layer(x), x @ dequantize(packed, 4, 48).T + 1, atol=1e-5)
     half = layer(x.bfloat16())  # a bfloat16 model on the CPU
@@ -113,7 +113,7 @@ def test_config_accepts_int4_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(config_module, "_resolve_device", lambda device: device)  # no GPU needed to check
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(device="cuda", quantization="int4").finalize(checkpoint_dtype=None, model_max_len=128)
-    with pytest.raises(ValueError, match="auto, int4, int8 or None"):
+    with pytest.raises(ValueError, match="auto, gguf, int4, int8 or None"):
         EngineConfig(device="cpu", quantization="int3").finalize(checkpoint_dtype=None, model_max_len=128)
     assert EngineConfig(device="cpu").finalize(checkpoint_dtype=None, model_max_len=128).quantization == "auto"
 
@@ -124,19 +124,20 @@ def bundled() -> tuple[LLM, LLM]:
 
 
 def test_auto_keeps_the_bundled_gguf_weights_exactly(bundled: tuple[LLM, LLM]) -> None:
-    """SmolLM2's file is Q4_1 layers and a Q8_0 embedding: auto stores exactly those weights."""
+    """SmolLM2's file is Q4_1 layers and a Q8_0 embedding: auto runs exactly those weights."""
     fp32, auto = bundled
-    assert auto.config.quantization == "int4"
+    assert auto.config.quantization == "gguf"
     fmodel, qmodel = fp32.core.runner.model, auto.core.runner.model
     for i in (0, 29):
         for part, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
                            ("mlp", "down_proj")):
             layer = getattr(getattr(qmodel.layers[i], part), name)
-            assert isinstance(layer, BlockQuantLinear) and layer.bits == 4
+            assert isinstance(layer, BlockQuantLinear) and layer.kinds == (4,)  # q, k and v as one part
             weight = getattr(getattr(fmodel.layers[i], part), name).weight
-            assert torch.equal(dequantize(layer.packed, 4, layer.out_features), weight)
+            assert torch.equal(dequantize(layer.parts[0].packed, 4, layer.out_features), weight)
     head = qmodel.quantized_lm_head
-    assert head.bits == 8 and torch.equal(dequantize(head.packed, 8, head.out_features), fmodel.embed_tokens.weight)
+    assert head.kinds == (8,)
+    assert torch.equal(dequantize(head.parts[0].packed, 8, head.out_features), fmodel.embed_tokens.weight)
 
 
 def test_int4_logit_error_and_greedy_agreement_are_bounded(bundled: tuple[LLM, LLM]) -> None:

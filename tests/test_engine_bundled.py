@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chatapp.engine import LLM, SamplingParams
-from chatapp.store import resolve_model
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import bundled_hf_dir, hf_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -33,7 +32,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 @pytest.fixture(scope="module")
 def model_path():
-    return resolve_model(None).path
+    return bundled_hf_dir()
 
 
 @pytest.fixture(scope="module")

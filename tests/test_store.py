@@ -25,18 +25,11 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def fake_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Stand in for the slow GGUF -> safetensors conversion in a fresh cache dir; records each call."""
-    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
-    calls: list[Path] = []
-
-    def convert(gguf: Path, out: Path) -> None:
-        calls.append(gguf)
-        out.mkdir(parents=True)
-        (out / "config.json").write_text("{}")
-
-    monkeypatch.setattr(store, "_convert_gguf", convert)
-    return calls
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty chatapp cache dir, to see what resolving writes there."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(cache))
+    return cache
 
 
 # --- the bundled model ----------------------------------------------------------------------
@@ -52,33 +45,22 @@ def test_bundled_model_is_found_offline_on_a_fresh_install(tmp_path: Path) -> No
     row = next(line for line in listing.stdout.splitlines() if line.startswith(store.BUNDLED_NAME))
     assert row.split()[1:4] == ["bundled", "LlamaForCausalLM", "135M"] and "Q4_1" in row and row.endswith("ok")
 
-    # The conversion lives in the shared cache dir (made once per machine, see conftest).
     code = "from chatapp.store import resolve_model; m = resolve_model(None); print(m.source, m.path)"
     resolved = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert resolved.returncode == 0, resolved.stderr
     source, path = resolved.stdout.split()
-    assert source == "bundled" and (Path(path) / "model.safetensors").exists()
+    assert source == "bundled" and Path(path) == store.bundled_gguf_path()
 
 
-def test_second_resolve_of_the_bundled_model_does_not_convert_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    first = store.resolve_model(None)  # converts only if this machine never did
-    stamp = (first.path / "model.safetensors").stat().st_mtime_ns
-
-    def no_conversion(gguf: Path, out: Path) -> None:
-        raise AssertionError("converted again")
-
-    monkeypatch.setattr(store, "_convert_gguf", no_conversion)
-    second = store.resolve_model(None)
-    assert second == first
-    assert (second.path / "model.safetensors").stat().st_mtime_ns == stamp
-
-
-def test_a_gguf_file_is_converted_once(tmp_path: Path, fake_conversion: list[Path], home: Path) -> None:
+def test_a_gguf_file_resolves_to_itself_and_nothing_is_converted(tmp_path: Path, fresh_cache: Path,
+                                                                  home: Path) -> None:
+    """The engine reads GGUF files in place: resolving writes no converted copy anywhere."""
     gguf = tiny_gguf(tmp_path / "mine.gguf")
     first = store.resolve_model(str(gguf))
-    second = store.resolve_model(str(gguf))
-    assert fake_conversion == [gguf]
-    assert first == second and first.source == "gguf" and first.name == "mine"
+    assert first == store.resolve_model(str(gguf))
+    assert first.source == "gguf" and first.name == "mine" and first.path == gguf.absolute()
+    assert store.resolve_model(None).path == store.bundled_gguf_path()
+    assert not (fresh_cache / "converted").exists()
 
 
 def test_bundled_model_cannot_be_removed(home: Path) -> None:
@@ -177,17 +159,25 @@ def test_an_unreadable_registry_is_kept_aside_not_overwritten(home: Path, tiny_l
     assert [p.read_text() for p in kept] == ["{ this is not json"]
 
 
-def test_a_registered_gguf_is_forgotten_and_only_its_conversion_deleted(home: Path, tmp_path: Path,
-                                                                       fake_conversion: list[Path]) -> None:
+def test_a_registered_gguf_is_forgotten_and_only_our_cached_files_deleted(home: Path, tmp_path: Path,
+                                                                         fresh_cache: Path) -> None:
+    """`models rm` forgets the user's file and deletes what we cached for it: its tokenizer and the
+    float32 conversion an earlier chatapp made (the GGUF file itself stays)."""
+    from chatapp.engine.tokenizer import gguf_tokenizer_cache
+
     gguf = tiny_gguf(tmp_path / "mine-F16.gguf")
-    converted = store.resolve_model(str(gguf), remember=True).path
+    assert store.resolve_model(str(gguf), remember=True).path == gguf.absolute()
+    legacy, tokenizer = store.conversion_dir(gguf), gguf_tokenizer_cache(gguf)
+    for cached in (legacy, tokenizer):
+        cached.mkdir(parents=True)
+        (cached / "config.json").write_text("{}")
     code, out, _ = run_cli("models", "list")
     row = next(line for line in out.splitlines() if line.startswith(str(gguf)))
     assert row.split()[1:3] == ["gguf", "LlamaForCausalLM"] and "F16" in row and "2048" in row
 
     code, out, _ = run_cli("models", "rm", str(gguf))
-    assert code == 0 and "converted copy" in out
-    assert gguf.exists() and not converted.exists() and store.registered_paths() == []
+    assert code == 0 and "cached files" in out
+    assert gguf.exists() and not legacy.exists() and not tokenizer.exists() and store.registered_paths() == []
 
 
 # --- names that lead nowhere ---------------------------------------------------------------

@@ -1,17 +1,15 @@
 """Tiny randomly initialised models for fast engine tests.
 
-They borrow the bundled SmolLM2 tokenizer (converted once and cached), so
+They borrow the bundled SmolLM2 tokenizer (built from its GGUF file once and cached), so
 prompts, chat templates and detokenisation are real; only the weights are tiny.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def make_tiny_model(
@@ -32,9 +30,6 @@ def make_tiny_model(
     """Write a random model of the given Llama-family architecture (HF format) to ``path``."""
     import transformers
 
-    from chatapp.store import resolve_model
-
-    bundled = resolve_model(None).path
     config_cls = {
         "LlamaForCausalLM": transformers.LlamaConfig,
         "MistralForCausalLM": transformers.MistralConfig,
@@ -62,7 +57,13 @@ def make_tiny_model(
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (bundled / name).exists():
-            shutil.copy(bundled / name, path / name)
+    save_bundled_tokenizer(path)
     return path
+
+
+def save_bundled_tokenizer(path: Path) -> None:
+    """The bundled model's tokenizer files (tokenizer.json, chat template, ...) into ``path``."""
+    from chatapp.engine.tokenizer import load_hf_tokenizer
+    from chatapp.store import bundled_gguf_path
+
+    load_hf_tokenizer(bundled_gguf_path()).save_pretrained(str(path))

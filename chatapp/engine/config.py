@@ -58,8 +58,9 @@ class EngineConfig:
     cpu_kernels: bool = True
     """On the CPU in float32, run the model through our C++ layer loop (built on first use)."""
     quantization: str | None = "auto"
-    """auto, "int4", "int8" or None. On the CPU, auto takes int4 when the weights already are 4- and
-    8-bit blocks (a Q4_1/Q8_0 GGUF: nothing is lost) and int8 otherwise; on a GPU, none.
+    """auto, "gguf", "int4", "int8" or None. On the CPU, auto runs a GGUF file's weights in their own
+    types ("gguf": Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K kept exactly, csrc/gguf_repack.cpp), a safetensors
+    model's in int4 when they already are 4- and 8-bit blocks and int8 otherwise; on a GPU, none.
     "int4": 4-bit blocks for every projection, 8-bit for the LM head (block_quant.py);
     "int8": calibrated dynamic int8 (quantization.py). Both CPU only."""
     stream_interval_ms: float = 25.0
@@ -118,9 +119,9 @@ class EngineConfig:
             cfg.quantization = None
         if cfg.quantization == "auto" and cfg.device != "cpu":
             cfg.quantization = None  # on the CPU the model runner decides, once it has the weights
-        if cfg.quantization not in (None, "auto", "int4", "int8"):
-            raise ValueError(f"quantization must be auto, int4, int8 or None, got {cfg.quantization!r}")
-        if cfg.quantization in ("int4", "int8") and cfg.device != "cpu":
+        if cfg.quantization not in (None, "auto", "gguf", "int4", "int8"):
+            raise ValueError(f"quantization must be auto, gguf, int4, int8 or None, got {cfg.quantization!r}")
+        if cfg.quantization in ("gguf", "int4", "int8") and cfg.device != "cpu":
             raise ValueError(f"quantization={cfg.quantization!r} runs on the CPU only (our CPU kernels)")
         if not cfg.stream_interval_ms >= 0:
             raise ValueError(f"stream_interval_ms must be 0 or more, got {cfg.stream_interval_ms}")

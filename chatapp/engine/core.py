@@ -15,7 +15,8 @@ from chatapp.engine.api import EngineBusyError
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_runner import ModelRunner
-from chatapp.engine.models.config import ModelConfig, load_model_config
+from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.source import open_model
 from chatapp.engine.outputs import EngineCoreOutput
 from chatapp.engine.request import Request, RequestStatus
 from chatapp.engine.sampling_params import SamplingParams
@@ -39,10 +40,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: ResolvedModel | None = None) -> None:
         start = time.perf_counter()
         self.model = model or resolve_model(config.model)
-        self.model_config: ModelConfig = load_model_config(self.model.path)
+        source = open_model(self.model.path)
+        self.model_config: ModelConfig = source.config
         mc = self.model_config
         config = config.finalize(checkpoint_dtype=mc.checkpoint_dtype, model_max_len=mc.max_position_embeddings)
-        self.runner = ModelRunner(config, mc, self.model.path)
+        self.runner = ModelRunner(config, source)
         # A request must always fit the pool on its own, so cap the context at the pool's size.
         config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)
         self.config = config

@@ -22,6 +22,7 @@ from chatapp.engine.config import EngineConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.loader import load_model
+from chatapp.engine.models.source import ModelSource
 from chatapp.engine.request import Request
 from chatapp.engine.sampler import Sampler, SamplerOutput
 from chatapp.engine.scheduler import ScheduledBatch
@@ -45,29 +46,45 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
         self.config = config
-        self.mc = model_config
+        self.mc = source.config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.cpu_load = CpuLoadMonitor(config.num_threads or 1)
-        start = time.perf_counter()
-        self.model = load_model(model_dir, model_config, self.dtype, self.device, config.max_model_len)
-        log.info("loaded %s weights in %.2f s", model_config.architecture, time.perf_counter() - start)
-        self.block_size = config.block_size
-        self.num_blocks = self._choose_num_blocks()
-        self.sampler = Sampler()
         # On the CPU in float32 our C++ layer loop runs the model (with its own key layout);
         # otherwise the Python model with the torch (SDPA) or Triton attention backend.
         ext = self._cpu_extension()
-        self._quantize(ext, model_dir)
+        start = time.perf_counter()
+        self.model = self._load(source, ext)
+        log.info("loaded %s weights in %.2f s", self.mc.architecture, time.perf_counter() - start)
+        self.block_size = config.block_size
+        self.num_blocks = self._choose_num_blocks()
+        self.sampler = Sampler()
+        if config.quantization != "gguf":
+            self._quantize(ext, source.path)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
         self.cpu_forward = self._build_cpu_forward(ext)
         self.attn = None if self.cpu_forward is not None else self._make_attention_backend()
 
     # -- set-up -------------------------------------------------------------
+
+    def _load(self, source: ModelSource, ext):
+        """The model's weights: a GGUF file's own blocks where our kernels run them, else floats."""
+        cfg = self.config
+        if source.gguf is None:
+            return load_model(source.path, self.mc, self.dtype, self.device, cfg.max_model_len)
+        from chatapp.engine.models.gguf_loader import load_gguf_float, load_gguf_native
+
+        if cfg.quantization in ("auto", "gguf") and ext is not None and ext.block_quant_fast():
+            cfg.quantization = "gguf"
+            return load_gguf_native(source.gguf, self.mc, cfg.max_model_len, ext)
+        if cfg.quantization == "gguf":
+            log.warning("the GGUF file's own types need our AVX-512 VNNI kernels; de-quantising to float32")
+            cfg.quantization = None
+        return load_gguf_float(source.gguf, self.mc, self.dtype, self.device, cfg.max_model_len)
 
     def _quantize(self, ext, model_dir: Path) -> None:
         """Apply config.quantization, resolving "auto" to what was applied (int4, int8 or None)."""

@@ -10,11 +10,16 @@ back as history.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
+
+from chatapp.engine.models.source import is_gguf_path
 
 _ROLES = ("system", "developer", "user", "assistant")
 _REMEMBERED = 4096
@@ -52,11 +57,44 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def gguf_tokenizer_cache(gguf: Path) -> Path:
+    """Where the tokenizer of a GGUF file is kept once built (keyed on the file's path, size and time)."""
+    from chatapp import paths
+
+    st = gguf.stat()
+    key = hashlib.blake2b(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+    return paths.cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
+
+
+def load_hf_tokenizer(path: Path):
+    """A model directory's tokenizer, or a GGUF file's (built by transformers once, then cached).
+
+    Why a cache: building a tokenizer from a GGUF file parses its whole vocabulary (seconds for
+    a 128k one); the saved files load in a fraction of that. Only the tokenizer is kept: weights
+    are always read from the file itself.
+    """
+    if not is_gguf_path(path):
+        return AutoTokenizer.from_pretrained(str(path))
+    cache = gguf_tokenizer_cache(path)
+    if (cache / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(cache))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only cache or a lost race: the tokenizer in hand still works
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
 class Tokenizer:
     """The model's Hugging Face tokenizer plus our chat rendering."""
 
-    def __init__(self, model_dir: Path | str) -> None:
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+    def __init__(self, model_path: Path | str) -> None:
+        self.hf = load_hf_tokenizer(Path(model_path))
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
 
     @property

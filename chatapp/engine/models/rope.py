@@ -16,6 +16,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv_freq / factor
+    if kind == "freq_factors":  # a GGUF file's rope_freqs tensor (llama.cpp divides by it)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     if kind == "llama3":
         low = float(scaling.get("low_freq_factor", 1.0))
         high = float(scaling.get("high_freq_factor", 4.0))
