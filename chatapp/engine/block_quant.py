@@ -90,6 +90,12 @@ K_KINDS = (KIND_Q4K, KIND_Q5K, KIND_Q6K)
 SUPER_BLOCK = 256
 
 
+# GGUF type -> the packed kind that holds it exactly (csrc/gguf_repack.cpp), and bytes per (tile, block).
+KIND_FOR_GGUF_TYPE = {"Q4_0": KIND_Q4, "Q4_1": KIND_Q4, "Q5_0": KIND_Q8, "Q8_0": KIND_Q8, "Q5_1": KIND_Q8M,
+                      "Q4_K": KIND_Q4K, "Q5_K": KIND_Q5K, "Q6_K": KIND_Q6K}
+TILE_BYTES = {KIND_Q4: 320, KIND_Q8: 544, KIND_Q8M: 576, KIND_Q4K: 2368, KIND_Q5K: 2880, KIND_Q6K: 3360}
+
+
 def block_inputs(kind: int) -> int:
     """Input channels per packed block of this kind."""
     return SUPER_BLOCK if kind in K_KINDS else BLOCK
@@ -185,7 +191,7 @@ class BlockQuantLinear(nn.Module):
     def __init__(self, parts: list[PackedPart], in_features: int, bias: torch.Tensor | None,
                  ext: ModuleType | None) -> None:
         super().__init__()
-        self.parts = _merge_parts(parts)
+        self.parts = list(parts)
         self.in_features = in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -218,19 +224,6 @@ class BlockQuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kinds={self.kinds}"
-
-
-def _merge_parts(parts: list[PackedPart]) -> list[PackedPart]:
-    """Neighbouring parts of one kind become one (their tiles stacked) where no tile is padded."""
-    merged: list[PackedPart] = []
-    for part in parts:
-        last = merged[-1] if merged else None
-        if last is not None and last.kind == part.kind and last.out_features % TILE == 0:
-            merged[-1] = PackedPart(torch.cat([last.packed, part.packed]), part.kind,
-                                    last.out_features + part.out_features)
-        else:
-            merged.append(part)
-    return merged
 
 
 def _pack(weight: torch.Tensor, bits: int) -> tuple[torch.Tensor, float]:

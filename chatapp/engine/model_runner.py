@@ -38,6 +38,29 @@ SINGLE_THREAD_BELOW_TOKENS = 256
 SINGLE_THREAD_BELOW_ATTENTION = 32_768  # sum over requests of new tokens x context length
 
 
+# Beyond weights and KV cache: the interpreter, torch, activations of a step and the allocator's slack.
+WORKING_MEMORY_BYTES = 512 * 2**20
+
+
+class ModelTooLargeError(ValueError):
+    """The model would not fit in the memory this machine has free; the message gives the figures."""
+
+
+def check_fits(weight_bytes: int, kv_bytes: int, mc: ModelConfig) -> None:
+    """Refuse to load what cannot fit, with the figures, rather than be killed half-way by the kernel."""
+    import psutil
+
+    needed = weight_bytes + kv_bytes + WORKING_MEMORY_BYTES
+    available = psutil.virtual_memory().available
+    if needed > available:
+        gib = 2**30
+        raise ModelTooLargeError(
+            f"this {mc.architecture} model needs about {needed / gib:.1f} GiB of memory (weights "
+            f"{weight_bytes / gib:.1f} GiB + KV cache {kv_bytes / gib:.1f} GiB + {WORKING_MEMORY_BYTES / gib:.1f} "
+            f"GiB working memory) but only {available / gib:.1f} GiB is available; close other programs, "
+            f"lower the KV cache (kv_cache_memory_gib), or pick a smaller or more quantised model")
+
+
 @dataclass
 class StepResult:
     sampled_requests: list[Request]
@@ -57,11 +80,15 @@ class ModelRunner:
         # On the CPU in float32 our C++ layer loop runs the model (with its own key layout);
         # otherwise the Python model with the torch (SDPA) or Triton attention backend.
         ext = self._cpu_extension()
+        self.block_size = config.block_size
+        if self.device.type == "cpu":
+            self.num_blocks = self._choose_num_blocks()
+            check_fits(self._weight_bytes(source, ext), self.num_blocks * self.bytes_per_block(), self.mc)
         start = time.perf_counter()
         self.model = self._load(source, ext)
         log.info("loaded %s weights in %.2f s", self.mc.architecture, time.perf_counter() - start)
-        self.block_size = config.block_size
-        self.num_blocks = self._choose_num_blocks()
+        if self.device.type != "cpu":
+            self.num_blocks = self._choose_num_blocks()
         self.sampler = Sampler()
         if config.quantization != "gguf":
             self._quantize(ext, source.path)
@@ -71,6 +98,19 @@ class ModelRunner:
 
     # -- set-up -------------------------------------------------------------
 
+    def _native_gguf(self, source: ModelSource, ext) -> bool:
+        return (source.gguf is not None and self.config.quantization in ("auto", "gguf") and ext is not None
+                and ext.block_quant_fast())
+
+    def _weight_bytes(self, source: ModelSource, ext) -> int:
+        """What the loaded weights will take, to refuse a model that cannot fit before loading it."""
+        if self._native_gguf(source, ext):
+            from chatapp.engine.models.gguf_loader import native_weight_bytes
+
+            return native_weight_bytes(source.gguf, self.mc)
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.mc.num_parameters() * elem
+
     def _load(self, source: ModelSource, ext):
         """The model's weights: a GGUF file's own blocks where our kernels run them, else floats."""
         cfg = self.config
@@ -78,7 +118,7 @@ class ModelRunner:
             return load_model(source.path, self.mc, self.dtype, self.device, cfg.max_model_len)
         from chatapp.engine.models.gguf_loader import load_gguf_float, load_gguf_native
 
-        if cfg.quantization in ("auto", "gguf") and ext is not None and ext.block_quant_fast():
+        if self._native_gguf(source, ext):
             cfg.quantization = "gguf"
             return load_gguf_native(source.gguf, self.mc, cfg.max_model_len, ext)
         if cfg.quantization == "gguf":

@@ -326,7 +326,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("portable") = false);
   m.def("repack_gguf", &repack_gguf, "GGUF tensor rows -> (packed, kind), every weight exact", py::arg("raw"),
-        py::arg("ggml_type"), py::arg("k"));
+        py::arg("ggml_type"), py::arg("k"), py::arg("row_order") = py::none(), py::arg("out") = py::none());
   m.def("block_quant_fast", &block_quant_fast, "whether the AVX-512 VNNI block kernel was compiled in");
   py::class_<CpuModel>(m, "CpuModel")
       .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor>())

@@ -201,7 +201,9 @@ void write_block256(uint8_t* blk, int64_t kind, int64_t c, const Block256& b) {
 
 }  // namespace
 
-std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t k) {
+std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t k,
+                                            const std::optional<at::Tensor>& row_order,
+                                            const std::optional<at::Tensor>& out) {
   const int64_t kind = kind_for(ggml_type), block_bytes = gguf_block_bytes(ggml_type);
   TORCH_CHECK(kind != 0, "GGUF type ", ggml_type, " has no packed kind");
   const int64_t block = kind_block_inputs(kind), tile_bytes = kind_tile_bytes(kind);
@@ -210,13 +212,30 @@ std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_
   const int64_t n = raw.size(0), blocks = k / block, row_stride = raw.stride(0);
   TORCH_CHECK(raw.size(1) == blocks * block_bytes, "row bytes ", raw.size(1), " do not match ", k, " weights of this type");
   const int64_t tiles = (n + kQuantTile - 1) / kQuantTile;
-  at::Tensor packed = at::zeros({tiles, blocks, tile_bytes}, at::kByte);
+  at::Tensor packed;
+  if (out && out->defined()) {
+    packed = *out;
+    TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                    packed.size(0) == tiles && packed.size(1) == blocks && packed.size(2) == tile_bytes,
+                "out must be a contiguous uint8 [", tiles, ", ", blocks, ", ", tile_bytes, "]");
+  } else {
+    packed = at::zeros({tiles, blocks, tile_bytes}, at::kByte);
+  }
+  at::Tensor order;
+  if (row_order && row_order->defined()) {
+    order = row_order->to(at::kLong).contiguous();
+    TORCH_CHECK(order.numel() == n, "row_order must name every row once");
+    const int64_t* o = order.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(o[i] >= 0 && o[i] < n, "row_order out of range");
+  }
+  const int64_t* op = order.defined() ? order.data_ptr<int64_t>() : nullptr;
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n; ++c) {
-        const uint8_t* row = src + (t * kQuantTile + c) * row_stride;
+        const int64_t r = t * kQuantTile + c;
+        const uint8_t* row = src + (op ? op[r] : r) * row_stride;
         for (int64_t b = 0; b < blocks; ++b) {
           uint8_t* blk = dst + (t * blocks + b) * tile_bytes;
           if (block == kQuantBlock) write_block32(blk, kind, c, decode_block32(ggml_type, row + b * block_bytes));

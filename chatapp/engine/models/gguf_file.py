@@ -8,7 +8,7 @@ file's blocks to our kernels' packing, with no float32 copy of the model anywher
 from __future__ import annotations
 
 import mmap
-import warnings
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,39 +39,134 @@ class GGUFTensor:
     type_name: str  # e.g. "Q4_K", "F32"
     type_id: int  # ggml's type id
     shape: tuple[int, ...]  # PyTorch order: (rows, columns) for a matrix
-    data: np.ndarray  # memory-mapped: [rows, row bytes] (quantized) or [rows, columns] (float)
+    data: np.ndarray  # memory-mapped uint8 [rows, row bytes], whatever the type
     offset: int  # byte offset in the file
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_LARGE_ARRAY = 1024  # longer arrays (a vocabulary) are skipped, not read: only the tokenizer needs them
+
+
+class _HeaderReader:
+    """Reads GGUF's little-endian header fields from a memory map, bounds-checked."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise GGUFError("the header ends early (truncated file)")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFError("the header ends early (truncated file)")
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.take("<I"), self.take("<Q")
+            if count > _LARGE_ARRAY:
+                self._skip_array(item, count)
+                return _SKIPPED
+            return [self.value(item) for _ in range(count)]
+        fmt = _SCALARS.get(kind)
+        if fmt is None:
+            raise GGUFError(f"unknown metadata value type {kind}")
+        return self.take(fmt)
+
+    def _skip_array(self, item: int, count: int) -> None:
+        if item in _SCALARS:
+            self.pos += struct.calcsize(_SCALARS[item]) * count
+        elif item == _STRING:
+            for _ in range(count):
+                length = self.take("<Q")  # read before adding: take() moves pos itself
+                self.pos += length
+        else:
+            for _ in range(count):
+                self.value(item)
+        if self.pos > len(self.buf):
+            raise GGUFError("the header ends early (truncated file)")
+
+
+_SKIPPED = object()  # a long array left unread
+
+
 class GGUFModelFile:
-    """An open GGUF file: metadata, model config and tensors by name (nothing read until asked)."""
+    """An open GGUF file: metadata, model config and tensors by name (nothing read until asked).
+
+    Why our own header reader: the `gguf` package's reader builds a numpy object for every
+    vocabulary entry, which costs seconds and hundreds of MB for a 128k vocabulary; we need the
+    model's numbers and the tensor table only (the tokenizer is built from the file separately).
+    """
 
     def __init__(self, path: Path | str) -> None:
-        import gguf
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.path = Path(path)
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self._reader = gguf.GGUFReader(str(self.path), "r")
-        except Exception as exc:  # the reader raises ValueError, IndexError, OSError... on damaged files
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:  # unreadable, or empty (mmap refuses length 0)
             raise GGUFError(f"{self.path.name} is not a readable GGUF file ({exc})") from exc
-        size = self.path.stat().st_size
+        try:
+            self._fields, tensor_table, data_start = self._read_header()
+        except GGUFError as exc:
+            raise GGUFError(f"{self.path.name} is not a readable GGUF file ({exc})") from exc
+        size = len(self._mmap)
+        self._data = np.frombuffer(self._mmap, dtype=np.uint8)
         self.tensors: dict[str, GGUFTensor] = {}
-        for t in self._reader.tensors:
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            if t.data_offset + int(t.n_bytes) > size:
-                raise GGUFError(f"{self.path.name} is truncated: tensor {t.name} ends past the end of the file")
-            self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, int(t.tensor_type), shape, t.data,
-                                              int(t.data_offset))
+        for name, dims, type_id, offset in tensor_table:
+            try:
+                qtype = GGMLQuantizationType(type_id)
+                block, block_bytes = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise GGUFError(f"{self.path.name}: tensor {name} has unknown type {type_id}") from None
+            shape = tuple(int(n) for n in reversed(dims)) or (1,)
+            columns = shape[-1]
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            if columns % block:
+                raise GGUFError(f"{self.path.name}: tensor {name} has {columns} columns, not whole {qtype.name} blocks")
+            row_bytes = columns // block * block_bytes
+            start = data_start + offset
+            if start + rows * row_bytes > size:
+                raise GGUFError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
+            data = self._data[start : start + rows * row_bytes].reshape(rows, row_bytes)
+            self.tensors[name] = GGUFTensor(name, qtype.name, int(type_id), shape, data, start)
         self.architecture = str(self.field("general.architecture", ""))
 
+    def _read_header(self) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]], int]:
+        r = _HeaderReader(self._mmap)
+        if r.take("<I") != 0x46554747:  # "GGUF"
+            raise GGUFError("no GGUF magic number")
+        version = r.take("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"GGUF version {version} is not supported")
+        num_tensors, num_fields = r.take("<Q"), r.take("<Q")
+        fields: dict[str, Any] = {}
+        for _ in range(num_fields):
+            key = r.string()
+            fields[key] = r.value(r.take("<I"))
+        table = []
+        for _ in range(num_tensors):
+            name = r.string()
+            dims = [r.take("<Q") for _ in range(r.take("<I"))]
+            table.append((name, dims, r.take("<I"), r.take("<Q")))
+        alignment = int(fields.get("general.alignment", 32)) or 32
+        return fields, table, -(-r.pos // alignment) * alignment
+
     def field(self, key: str, default: Any = None) -> Any:
-        f = self._reader.fields.get(key)
-        if f is None:
-            return default
-        value = f.contents()
-        return default if value is None else value
+        value = self._fields.get(key)
+        return default if value is None or value is _SKIPPED else value
 
     def arch_field(self, key: str, default: Any = None) -> Any:
         return self.field(f"{self.architecture}.{key}", default)
@@ -82,18 +177,20 @@ class GGUFModelFile:
         except KeyError:
             raise GGUFError(f"{self.path.name} lacks tensor {name}") from None
 
-    def release(self, tensor: GGUFTensor) -> None:
-        """Drop a tensor's pages from this process's memory once it has been repacked.
+    def release(self, tensor: GGUFTensor, rows: slice = slice(None)) -> None:
+        """Drop a tensor's pages (or some rows' pages) from this process's memory once used.
 
         The file stays mapped (and in the page cache); only our resident set shrinks, so
         loading never holds the file and its packed copy at once.
         """
-        mm = getattr(self._reader.data, "_mmap", None)
-        if mm is None or not hasattr(mm, "madvise"):
+        mm = self._mmap
+        if not hasattr(mm, "madvise"):
             return
+        first, last, _ = rows.indices(tensor.data.shape[0])
+        row_bytes = tensor.data.shape[1]
         page = mmap.PAGESIZE
-        start = tensor.offset // page * page
-        end = min(len(mm), tensor.offset + tensor.data.nbytes)
+        start = (tensor.offset + first * row_bytes) // page * page
+        end = min(len(mm), tensor.offset + last * row_bytes)
         try:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
         except (OSError, ValueError):
@@ -160,7 +257,7 @@ class GGUFModelFile:
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         if "rope_freqs.weight" in self.tensors:  # Llama 3.1+: the converter stored the frequency factors
-            factors = np.asarray(self.tensor("rope_freqs.weight").data, dtype=np.float32)
+            factors = self.tensor("rope_freqs.weight").data.reshape(-1).view(np.float32)
             return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
         kind = self.arch_field("rope.scaling.type")
         if kind in (None, "none"):

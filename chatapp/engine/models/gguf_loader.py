@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from chatapp.engine.block_quant import BlockQuantLinear, PackedPart
+from chatapp.engine.block_quant import KIND_FOR_GGUF_TYPE, TILE, TILE_BYTES, BlockQuantLinear, PackedPart, block_inputs
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
 from chatapp.engine.models.llama import LlamaForCausalLM
@@ -30,7 +30,8 @@ from chatapp.engine.models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 # GGUF types our kernels run as they are (csrc/gguf_repack.cpp says into which packed kind).
-NATIVE_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+NATIVE_TYPES = frozenset(KIND_FOR_GGUF_TYPE)
+_CHUNK_BYTES = 16 * 2**20  # file bytes repacked per call (and held in memory at once)
 
 
 def dequantize_rows(tensor: GGUFTensor, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
@@ -71,12 +72,17 @@ class _Loader:
         self.gguf, self.mc = gguf, mc
 
     def raw(self, name: str, heads: int | None = None) -> GGUFTensor:
-        """A tensor, its rows put back in Hugging Face order when the converter permuted them."""
+        """A tensor, its rows put back in Hugging Face order when the converter permuted them (a copy)."""
         tensor = self.gguf.tensor(name)
-        if heads is None or not self.gguf.permuted_qk:
+        order = self.row_order(tensor, heads)
+        if order is None:
             return tensor
-        rows = _unpermute_rows(tensor.shape[0], heads)
-        return GGUFTensor(tensor.name, tensor.type_name, tensor.type_id, tensor.shape, tensor.data[rows], tensor.offset)
+        return GGUFTensor(tensor.name, tensor.type_name, tensor.type_id, tensor.shape, tensor.data[order], tensor.offset)
+
+    def row_order(self, tensor: GGUFTensor, heads: int | None) -> np.ndarray | None:
+        if heads is None or not self.gguf.permuted_qk:
+            return None
+        return _unpermute_rows(tensor.shape[0], heads)
 
     def float_tensor(self, name: str, shape: tuple[int, ...], heads: int | None = None) -> torch.Tensor:
         tensor = self.raw(name, heads)
@@ -112,6 +118,47 @@ class _Loader:
         return torch.cat(parts)
 
 
+def _repack_fused(ext: ModuleType, loader: _Loader, parts: list[tuple[str, int, int | None]],
+                  tensors: list[GGUFTensor], k: int) -> list[PackedPart]:
+    """Repack a projection's tensors; neighbours of one kind share one packing (one kernel call).
+
+    Each tensor is written straight into its slice of the shared packing, so loading makes no
+    temporary copies (they would stay in the allocator's heap and in the peak resident set).
+    """
+    groups: list[list[int]] = []
+    for i, t in enumerate(tensors):
+        kind = KIND_FOR_GGUF_TYPE[t.type_name]
+        prev = groups[-1][-1] if groups else None
+        if (prev is not None and KIND_FOR_GGUF_TYPE[tensors[prev].type_name] == kind
+                and parts[prev][1] % TILE == 0):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    packed: list[PackedPart] = []
+    for group in groups:
+        kind = KIND_FOR_GGUF_TYPE[tensors[group[0]].type_name]
+        tiles = [-(-parts[i][1] // TILE) for i in group]
+        out = torch.zeros(sum(tiles), k // block_inputs(kind), TILE_BYTES[kind], dtype=torch.uint8)
+        start = 0
+        for i, n_tiles in zip(group, tiles):
+            tensor, order = tensors[i], loader.row_order(tensors[i], parts[i][2])
+            if order is not None:  # q/k rows come from all over the tensor: repack it whole
+                ext.repack_gguf(_torch(tensor.data), tensor.type_id, k, torch.from_numpy(order),
+                                out[start : start + n_tiles])
+                loader.gguf.release(tensor)
+            else:  # a few MB at a time, each chunk's file pages dropped once packed
+                step = max(TILE, _CHUNK_BYTES // tensor.data.shape[1] // TILE * TILE)
+                for first in range(0, tensor.shape[0], step):
+                    rows = slice(first, min(first + step, tensor.shape[0]))
+                    t0 = start + first // TILE
+                    ext.repack_gguf(_torch(tensor.data[rows]), tensor.type_id, k, None,
+                                    out[t0 : t0 + -(-(rows.stop - first) // TILE)])
+                    loader.gguf.release(tensor, rows)
+            start += n_tiles
+        packed.append(PackedPart(out, kind, sum(parts[i][1] for i in group)))
+    return packed
+
+
 def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     """Row order that undoes llama.cpp's q/k permutation (interleaved -> rotate-half pairs)."""
     head_dim = rows // heads
@@ -127,6 +174,24 @@ def _check_layer_count(gguf: GGUFModelFile, mc: ModelConfig) -> None:
         raise GGUFError(f"{gguf.path.name} says {mc.num_layers} layers but lacks tensor {last}")
 
 
+def native_weight_bytes(gguf: GGUFModelFile, mc: ModelConfig) -> int:
+    """Bytes our CPU model will hold for this file's weights (load_gguf_native's packings).
+
+    The token embeddings stay in the file (read per token) unless they also serve as the LM head.
+    """
+    total = 0
+    for name, t in gguf.tensors.items():
+        if name == "token_embd.weight" and not mc.tie_word_embeddings:
+            continue
+        rows, k = (int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1), t.shape[-1]
+        kind = KIND_FOR_GGUF_TYPE.get(t.type_name)
+        if kind is None or len(t.shape) == 1:
+            total += rows * k * 4  # float32: norms, and tensors our kernels do not take
+        else:
+            total += -(-rows // TILE) * (k // block_inputs(kind)) * TILE_BYTES[kind]
+    return total
+
+
 def load_gguf_float(gguf: GGUFModelFile, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
                     max_positions: int) -> LlamaForCausalLM:
     """Every tensor de-quantised into a float model of ``dtype`` (GPU, or the CPU without our kernels)."""
@@ -135,7 +200,6 @@ def load_gguf_float(gguf: GGUFModelFile, mc: ModelConfig, dtype: torch.dtype, de
         model = LlamaForCausalLM(mc, max_positions)
     model = model.to_empty(device=device).to(dtype)
     loader = _Loader(gguf, mc)
-    h = mc.hidden_size
 
     def put(dest: torch.Tensor, name: str, heads: int | None = None) -> None:
         dest.copy_(loader.float_tensor(name, tuple(dest.shape), heads))
@@ -163,7 +227,6 @@ def load_gguf_float(gguf: GGUFModelFile, mc: ModelConfig, dtype: torch.dtype, de
                     if bias is None:
                         raise GGUFError(f"{gguf.path.name} lacks the biases of layer {i}'s {kind} projection")
                     linear.bias.copy_(bias)
-    del h
     model.build_rope(dtype, device)
     model.eval()
     return model
@@ -183,18 +246,13 @@ def load_gguf_native(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, e
         module.weight = nn.Parameter(loader.float_tensor(name, (size,)).clone(), requires_grad=False)
 
     def linear(parts: list[tuple[str, int, int | None]], bias: torch.Tensor | None) -> nn.Module:
-        tensors = [loader.raw(name, heads) for name, _rows, heads in parts]
-        k = tensors[0].shape[1]
+        tensors = [gguf.tensor(name) for name, _rows, _heads in parts]
+        k = tensors[0].shape[-1]
         for (name, rows, _heads), t in zip(parts, tensors):
             if t.shape != (rows, k):
                 raise GGUFError(f"tensor {name} has shape {t.shape}, expected {(rows, k)}")
         if all(t.type_name in NATIVE_TYPES for t in tensors):
-            packed = []
-            for (name, rows, _heads), t in zip(parts, tensors):
-                tiles, kind = ext.repack_gguf(_torch(np.ascontiguousarray(t.data)), t.type_id, k)
-                packed.append(PackedPart(tiles, kind, rows))
-                gguf.release(gguf.tensor(name))
-            return BlockQuantLinear(packed, k, bias, ext)
+            return BlockQuantLinear(_repack_fused(ext, loader, parts, tensors, k), k, bias, ext)
         log.info("%s: %s is not a type our kernels run; de-quantised to float32",
                  parts[0][0], "/".join(sorted({t.type_name for t in tensors})))
         dense = nn.Linear(k, sum(rows for _n, rows, _h in parts), bias=bias is not None)

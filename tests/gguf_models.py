@@ -1,0 +1,128 @@
+"""Synthetic Llama-shaped GGUF files of any size and tensor types, with the bundled tokenizer.
+
+The weights are random but valid blocks of each type (tests/gguf_blocks.py), so a file of any
+GGUF type our loader takes can be made here without llama.cpp. The tokenizer and chat template
+are copied from the bundled SmolLM2 file, so prompts and detokenisation are real.
+benchmarks/synthetic_gguf.py writes the 135M, ~1B and ~7B shapes with the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from tests.gguf_blocks import random_blocks
+
+_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+                   "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+                   "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                   "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
+                   "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    vocab: int = 49152  # the bundled tokenizer's
+    context: int = 2048
+
+
+# The shapes benchmarks and tests use (the tokenizer is always SmolLM2's 49,152 tokens).
+SHAPES = {
+    "tiny": LlamaShape(),
+    "135m": LlamaShape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, context=8192),
+    "1b": LlamaShape(hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, context=4096),
+    "7b": LlamaShape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, context=8192),
+}
+
+# Q4_K_M as llama.cpp makes it: Q4_K, with Q6_K for the output and for half the v and down projections.
+MIXES = {
+    "Q4_K_M": {"default": "Q4_K", "output": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"},
+    "Q5_K_M": {"default": "Q5_K", "output": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"},
+}
+
+
+@lru_cache(maxsize=1)
+def bundled_tokenizer_fields() -> dict[str, tuple[Any, GGUFValueType, GGUFValueType | None]]:
+    from chatapp.store import bundled_gguf_path
+
+    reader = GGUFReader(str(bundled_gguf_path()))
+    fields = {}
+    for key in _TOKENIZER_KEYS:
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        main = field.types[0]
+        sub = field.types[1] if main == GGUFValueType.ARRAY else None
+        fields[key] = (field.contents(), main, sub)
+    return fields
+
+
+def tensor_type(name: str, layer: int, mix: str) -> str:
+    """The GGUF type of a tensor in a file of type ``mix`` (one type, or a K-quant mix)."""
+    if mix not in MIXES:
+        return mix
+    rules = MIXES[mix]
+    if name == "output":
+        return rules["output"]
+    if name in ("attn_v", "ffn_down") and layer % 2 == 0:  # llama.cpp: the "more important" half
+        return rules[name]
+    return rules["default"]
+
+
+def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), mix: str = "Q8_0", *, tied: bool = False,
+                     seed: int = 0, weight_size: float = 0.05, embed_type: str | None = None) -> Path:
+    """A random Llama-architecture GGUF file at ``path`` with tensors of type ``mix``."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(shape.vocab)
+    writer.add_rope_dimension_count(shape.hidden // shape.heads)
+    for key, (value, main, sub) in bundled_tokenizer_fields().items():
+        writer.add_key_value(key, value, main, sub_type=sub)
+
+    def quantized(name: str, rows: int, cols: int, type_name: str, size: float = weight_size) -> None:
+        data = random_blocks(type_name, rows, cols, rng, size)
+        writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[type_name])
+
+    def norm(name: str, size: int) -> None:
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
+    head_dim = shape.hidden // shape.heads
+    quantized("token_embd.weight", shape.vocab, shape.hidden, embed_type or tensor_type("token_embd", 0, mix), 1.0)
+    norm("output_norm.weight", shape.hidden)
+    if not tied:
+        quantized("output.weight", shape.vocab, shape.hidden, tensor_type("output", 0, mix))
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", shape.hidden)
+        norm(p + "ffn_norm.weight", shape.hidden)
+        for name, rows, cols in (("attn_q", shape.heads * head_dim, shape.hidden),
+                                 ("attn_k", shape.kv_heads * head_dim, shape.hidden),
+                                 ("attn_v", shape.kv_heads * head_dim, shape.hidden),
+                                 ("attn_output", shape.hidden, shape.heads * head_dim),
+                                 ("ffn_gate", shape.intermediate, shape.hidden),
+                                 ("ffn_up", shape.intermediate, shape.hidden),
+                                 ("ffn_down", shape.hidden, shape.intermediate)):
+            quantized(p + name + ".weight", rows, cols, tensor_type(name, i, mix))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,295 @@
+"""GGUF files read in place: every type exact, our kernels' arithmetic, whole files, bad files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from chatapp.engine import LLM, SamplingParams
+from chatapp.engine import cpu_kernels
+from chatapp.engine.block_quant import K_KINDS, BlockQuantLinear, block_inputs, dequantize
+from chatapp.engine.models.config import UnsupportedModelError
+from chatapp.engine.models.gguf_file import GGUFError
+from tests.gguf_blocks import BLOCK_TYPES, random_blocks
+from tests.gguf_models import LlamaShape, write_llama_gguf
+
+KIND_OF = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 9, "Q8_0": 8, "Q4_K": 104, "Q5_K": 105, "Q6_K": 106}
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = cpu_kernels.load()
+    assert ext is not None and ext.block_quant_fast(), "the AVX-512 VNNI kernels must build on these machines"
+    return ext
+
+
+def repack(ext, raw: np.ndarray, type_name: str, k: int) -> tuple[torch.Tensor, int]:
+    return ext.repack_gguf(torch.from_numpy(raw), int(GGMLQuantizationType[type_name]), k)
+
+
+# --- every type, exactly ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_every_type_keeps_the_files_weights_bit_for_bit(ext, type_name: str) -> None:
+    """Our packing de-quantises to exactly what gguf's own de-quantisation gives, on random blocks."""
+    rng = np.random.default_rng(len(type_name))
+    for rows, k in ((40, 512), (16, 256), (3, 1024)):  # 40 and 3: tiles padded with empty channels
+        raw = random_blocks(type_name, rows, k, rng)
+        packed, kind = repack(ext, raw, type_name, k)
+        assert kind == KIND_OF[type_name]
+        ours = dequantize(packed, kind, rows).numpy()
+        theirs = quants.dequantize(raw, GGMLQuantizationType[type_name])
+        assert ours.shape == theirs.shape == (rows, k)
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def block_minimums(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
+    """[rows, blocks] float minimums m of the block-of-32 types that have one (w = d * q + m)."""
+    if type_name not in ("Q4_0", "Q4_1", "Q5_1"):
+        return None
+    blocks = raw.reshape(raw.shape[0], -1, {"Q4_0": 18, "Q4_1": 20, "Q5_1": 24}[type_name])
+    if type_name == "Q4_0":  # w = d * (q - 8): our kind holds it as d * q + (-8 d)
+        return -8 * torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    return torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+
+
+def reference_product(x: torch.Tensor, weights: torch.Tensor, block: int, mins: torch.Tensor | None
+                      ) -> torch.Tensor:
+    """The kernels' defined arithmetic in float64: each row's activations rounded to int8 per block
+    (one float scale per ``block`` inputs, halves to even) times the exact weights; where a block of
+    32 has a minimum m, m multiplies the exact float sum of the activations instead."""
+    rows, k = x.shape
+    xb = x.view(rows, k // block, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    xq = ((xb * inv).round().clamp(-128, 127).double() * (amax / 127).double()).reshape(rows, k)
+    if mins is None:
+        return xq @ weights.double().T
+    n = weights.shape[0]
+    scaled = weights.double().view(n, -1, block) - mins.double()[..., None]  # d * q
+    return xq @ scaled.reshape(n, k).T + xb.double().sum(-1) @ mins.double().T
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
+    """VNNI and portable loops agree to the bit, rows never depend on their batch, and both equal
+    the float64 product of int8 activations with the file's exact weights up to float32 rounding."""
+    rng = np.random.default_rng(7)
+    n, k = 40, 1024
+    raw = random_blocks(type_name, n, k, rng)
+    packed, kind = repack(ext, raw, type_name, k)
+    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]))
+    torch.manual_seed(0)
+    x = torch.randn(70, k) * torch.logspace(-2, 1, 70)[:, None]  # rows of very different sizes
+    x[3, :300] = 0.0  # a block of zeros
+    bias = torch.randn(n)
+    y = ext.block_linear(x, packed, kind, n, bias)
+    expected = reference_product(x, weights, block_inputs(kind), block_minimums(raw, type_name)) + bias.double()
+    assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+    assert torch.equal(ext.block_linear(x, packed, kind, n, bias, True), y)
+    for i in (0, 3, 69):
+        assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias)[0], y[i])
+    strided = torch.zeros(70, k + 64)[:, :k]
+    strided.copy_(x)
+    assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)
+
+
+def test_repack_rejects_rows_that_do_not_match_the_type(ext) -> None:
+    raw = random_blocks("Q4_K", 16, 512, np.random.default_rng(0))
+    with pytest.raises(RuntimeError, match="row bytes"):
+        repack(ext, raw, "Q4_K", 1024)
+    with pytest.raises(RuntimeError, match="256-weight blocks"):
+        repack(ext, raw[:, :100], "Q4_K", 200)
+    with pytest.raises(RuntimeError, match="no packed kind"):
+        ext.repack_gguf(torch.from_numpy(raw), int(GGMLQuantizationType.IQ4_NL), 512)
+
+
+def test_torch_fallback_runs_the_same_weights_for_k_kinds(ext) -> None:
+    raw = random_blocks("Q6_K", 32, 512, np.random.default_rng(1))
+    packed, kind = repack(ext, raw, "Q6_K", 512)
+    assert kind in K_KINDS
+    layer = BlockQuantLinear.single(packed, kind, 512, 32, None, ext=None)
+    x = torch.randn(3, 512)
+    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K))
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, weights))
+
+
+# --- whole files --------------------------------------------------------------------------------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf-files")
+
+
+def teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of ``ids`` from one prefill."""
+    from chatapp.engine.request import Request
+    from chatapp.engine.scheduler import ScheduledBatch
+
+    core = llm.core
+    req = Request("\0tf", ids, SamplingParams(max_tokens=1), frozenset(), core.config.block_size,
+                  core.config.max_model_len)
+    assert core.kv.allocate_slots(req, len(ids))
+    try:
+        hidden = core.runner.hidden_states(ScheduledBatch([req], [len(ids)]),
+                                           {req.request_id: core.kv.block_ids(req.request_id)})[0]
+        with torch.inference_mode():
+            return core.runner.model.compute_logits(hidden)
+    finally:
+        core.kv.free(req.request_id)
+
+
+@pytest.mark.parametrize("mix", [*BLOCK_TYPES, "Q4_K_M"])
+def test_a_gguf_file_runs_in_its_own_types_close_to_its_float_model(gguf_dir: Path, mix: str) -> None:
+    """Each type's file runs natively ("gguf") and follows the float model of the same weights: the
+    only difference is the int8 rounding of activations (as in llama.cpp), so the next-token choice
+    agrees at nearly every position of a 32-token greedy continuation."""
+    path = write_llama_gguf(gguf_dir / f"tiny-{mix}.gguf", mix=mix, tied=mix == "Q8_0")
+    native = LLM(str(path), kv_cache_memory_gib=0.02)
+    exact = LLM(str(path), kv_cache_memory_gib=0.02, quantization=None)
+    assert native.config.quantization == "gguf" and exact.config.quantization is None
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    agree = total = 0
+    for out in exact.generate(PROMPTS, params):
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        a, b = teacher_forced(exact, ids), teacher_forced(native, ids)
+        assert float((a - b).norm() / a.norm()) < 0.03
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= 0.9
+
+
+def test_q4_k_m_keeps_every_tensor_in_its_own_type(gguf_dir: Path) -> None:
+    path = write_llama_gguf(gguf_dir / "tiny-mixed.gguf", mix="Q4_K_M", seed=3)
+    model = LLM(str(path), kv_cache_memory_gib=0.02).core.runner.model
+    layer0, layer1 = model.layers[0], model.layers[1]
+    assert layer0.self_attn.qkv_proj.kinds == (104, 106)  # q and k in Q4_K as one part, v in Q6_K
+    assert layer1.self_attn.qkv_proj.kinds == (104,)
+    assert layer0.mlp.down_proj.kinds == (106,) and layer1.mlp.down_proj.kinds == (104,)
+    assert model.quantized_lm_head.kinds == (106,)
+
+
+def test_native_answers_do_not_depend_on_batch_or_chunking(gguf_dir: Path) -> None:
+    path = write_llama_gguf(gguf_dir / "tiny-batch.gguf", mix="Q4_K_M", seed=5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [*PROMPTS, "Once upon a time, in a land far away", "1 2 3"]
+    llm = LLM(str(path), kv_cache_memory_gib=0.02)
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone
+    chunked = LLM(str(path), kv_cache_memory_gib=0.02, max_num_batched_tokens=3)
+    assert [o.outputs[0].token_ids for o in chunked.generate(prompts, params)] == alone
+
+
+def test_llama_q_and_k_rows_are_put_back_in_rotate_half_order(gguf_dir: Path) -> None:
+    """llama.cpp stores q/k rows interleaved for its RoPE; ours (Hugging Face's) pairs halves."""
+    from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.engine.models.gguf_loader import dequantize_rows
+
+    path = write_llama_gguf(gguf_dir / "tiny-perm.gguf", mix="Q8_0", seed=9)
+    llm = LLM(str(path), kv_cache_memory_gib=0.02, quantization=None)
+    q_file = dequantize_rows(GGUFModelFile(path).tensor("blk.0.attn_q.weight"))
+    q_ours = llm.core.runner.model.layers[0].self_attn.qkv_proj.weight[: q_file.shape[0]].detach().numpy()
+    head_dim = 64
+    # our row h*64 + j (j < 32) is the file's row h*64 + 2j; our row h*64 + 32 + j is the file's h*64 + 2j + 1
+    assert np.array_equal(q_ours[:32], q_file[0:64:2]) and np.array_equal(q_ours[32:64], q_file[1:64:2])
+    assert np.array_equal(q_ours[head_dim + 5], q_file[head_dim + 10])
+
+
+# --- bad files ----------------------------------------------------------------------------------
+
+
+def test_truncated_file_gets_a_clear_error_naming_a_tensor(gguf_dir: Path, tmp_path: Path) -> None:
+    whole = write_llama_gguf(gguf_dir / "tiny-whole.gguf", mix="Q4_0", seed=11)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size - 5000])
+    with pytest.raises(GGUFError, match=r"truncated: tensor blk\.1\.\w+\.weight"):
+        LLM(str(cut), kv_cache_memory_gib=0.02)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(whole.read_bytes()[:3000])
+    with pytest.raises(GGUFError, match="header.gguf"):
+        LLM(str(header_only), kv_cache_memory_gib=0.02)
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello, I am not a model")
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        LLM(str(not_gguf), kv_cache_memory_gib=0.02)
+
+
+def test_wrong_shapes_and_architectures_are_named(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    from tests.gguf_models import bundled_tokenizer_fields
+
+    # A file whose metadata says 8 heads (of 32 dimensions) where its tensors have 4 of 64.
+    shape = LlamaShape()
+    path = write_llama_gguf(tmp_path / "bad-shape.gguf", shape, mix="Q8_0", seed=1)
+    data = bytearray(path.read_bytes())
+    # rewrite the head count field: the engine must then find q's rows wrong, not crash
+    key = b"llama.attention.head_count"
+    at = data.find(key) + len(key) + 4  # after the key: a uint32 value type, then the value
+    data[at : at + 4] = (8).to_bytes(4, "little")
+    bad = tmp_path / "bad-heads.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"tensor blk\.0\.attn_k\.weight has shape \(128, 256\), expected \(64, 256\)"):
+        LLM(str(bad), kv_cache_memory_gib=0.02)
+
+    other = tmp_path / "gemma.gguf"
+    writer = GGUFWriter(str(other), "gemma3")
+    for key_name, (value, main, sub) in bundled_tokenizer_fields().items():
+        writer.add_key_value(key_name, value, main, sub_type=sub)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'gemma3' is not supported"):
+        LLM(str(other), kv_cache_memory_gib=0.02)
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+_RSS_PROBE = """
+import json, resource, sys
+import psutil
+from chatapp.engine import cpu_kernels
+from chatapp.engine.models.gguf_file import GGUFModelFile
+from chatapp.engine.models.gguf_loader import load_gguf_native
+ext = cpu_kernels.load()
+gguf = GGUFModelFile(sys.argv[1])
+mc = gguf.model_config()
+# Warm the runtime up first: a repack, and a model built on torch's meta device (its first use imports
+# ~150 MB of torch's Python and library pages). A fixed cost of any model, not of loading this file.
+import torch
+from chatapp.engine.models.llama import LlamaForCausalLM
+ext.repack_gguf(torch.zeros(16, 18, dtype=torch.uint8), 2, 32)
+with torch.device("meta"):
+    LlamaForCausalLM(mc, 16)
+before = psutil.Process().memory_info().rss
+model = load_gguf_native(gguf, mc, 2048, ext)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"before": before, "peak": peak, "after": psutil.Process().memory_info().rss}))
+"""
+
+
+def test_loading_a_300_mb_file_adds_at_most_1_3x_its_size_to_peak_rss(tmp_path: Path) -> None:
+    """Measured in a fresh process: peak RSS during the load over RSS just before it (Python, torch
+    and our kernels already imported and warmed up), so only what loading holds counts."""
+    shape = LlamaShape(hidden=2048, layers=8, heads=16, kv_heads=4, intermediate=5632)
+    path = write_llama_gguf(tmp_path / "300mb-Q4_K_M.gguf", shape, mix="Q4_K_M", seed=2)
+    size = path.stat().st_size
+    assert 250e6 < size < 400e6
+    probe = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path)], capture_output=True, text=True,
+                           timeout=600)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    rss = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert rss["peak"] - rss["before"] <= 1.3 * size, (rss, size)
