@@ -167,6 +167,105 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// The 8 registers of group g's codes (register j: inputs 4j..4j+3 of 16 channels), with the group's
+// integer scales (sc0 for inputs 0-15, sc1 for 16-31) and minimums.
+template <int64_t kKind>
+inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0, __m512i& sc1, __m512i& mv) {
+  constexpr KindLayout L = layout_of(kKind);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
+  const uint8_t* codes = blk + 256 * g;
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(codes + 64 * j);
+    w[j] = _mm512_and_si512(v, low4);
+    w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+  if constexpr (kKind == kKindQ5K) {
+    const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 64 * g);
+    // register j's fifth bits are bit j of each byte: move it to bit 4 (shifts are 16-bit, so mask)
+    w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+    w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+    w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
+    w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
+    w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, bit4));
+    w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4));
+    w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4));
+    w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4));
+  }
+  if constexpr (kKind == kKindQ6K) {
+    for (int p = 0; p < 2; ++p) {
+      const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 128 * g + 64 * p);
+      // register 4p + j's bits are bits 2j..2j+1 of each byte: move them to bits 4-5
+      w[4 * p + 0] = _mm512_or_si512(w[4 * p + 0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
+      w[4 * p + 1] = _mm512_or_si512(w[4 * p + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
+      w[4 * p + 2] = _mm512_or_si512(w[4 * p + 2], _mm512_and_si512(h, bits45));
+      w[4 * p + 3] = _mm512_or_si512(w[4 * p + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), bits45));
+    }
+  }
+  mv = _mm512_setzero_si512();
+  if constexpr (kKind == kKindQ6K) {
+    sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g)));
+    sc1 = _mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g + 16)));
+  } else {
+    sc0 = sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g)));
+    mv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.m_offset + 16 * g)));
+  }
+}
+
+inline __m512i dot_chain(const __m512i w[4], const int8_t* xq) {
+  __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
+  s = _mm512_dpbusd_epi32(s, w[1], broadcast4(xq + 4));
+  s = _mm512_dpbusd_epi32(s, w[2], broadcast4(xq + 8));
+  return _mm512_dpbusd_epi32(s, w[3], broadcast4(xq + 12));
+}
+
+// One row (a decode step) against tiles [t0, t1): the super-block sums stay in registers, and the bytes
+// a few super-blocks ahead are prefetched (the tiles sit one after another in memory). The same integer
+// sums and the same float steps in the same order as the batched loop below: rows agree to the bit.
+template <int64_t kKind>
+void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, const uint8_t* packed, int64_t t0,
+                        int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr KindLayout L = layout_of(kKind);
+  constexpr int64_t kAhead = 4;  // super-blocks prefetched ahead (~10-13 KB) of the one being multiplied
+  const int64_t blocks = k / kSuperBlock;
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = packed + t * blocks * L.tile_bytes;
+    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    __m512 f = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = tile + b * L.tile_bytes;
+      for (int64_t off = 0; off < L.tile_bytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * L.tile_bytes + off), _MM_HINT_T0);
+      const int8_t* xq = a.q.data() + row * k + b * kSuperBlock;
+      const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16;
+      __m512i isum = _mm512_setzero_si512(), imin = _mm512_setzero_si512();
+      for (int64_t g = 0; g < 8; ++g) {
+        __m512i w[8], sc0, sc1, mv;
+        load_group<kKind>(blk, g, w, sc0, sc1, mv);
+        __m512i s0 = dot_chain(w, xq + 32 * g), s1 = dot_chain(w + 4, xq + 32 * g + 16);
+        if constexpr (kKind == kKindQ6K) {
+          s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * xs[2 * g]));
+          s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * xs[2 * g + 1]));
+          isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
+        } else {
+          isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc0));
+          imin = _mm512_add_epi32(imin, _mm512_mullo_epi32(mv, _mm512_set1_epi32(xs[2 * g] + xs[2 * g + 1])));
+        }
+      }
+      const __m512 dx = _mm512_set1_ps(a.scale[row * blocks + b]);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f);
+      if constexpr (kKind != kKindQ6K) {
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
+        f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), f);
+      }
+    }
+    const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(y + row * n_out + n0, mask, _mm512_add_ps(f, bias_v));
+  }
+}
+
 template <int64_t kKind>
 void tiles_vnni(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
                 int64_t t1, float* y, int64_t n_out, const float* bias) {
@@ -176,7 +275,7 @@ void tiles_vnni(const SuperBlockActivations& a, int64_t rows, int64_t k, const u
   alignas(64) float acc[kRows * kQuantTile];
   alignas(64) int32_t isum[kRows * kQuantTile];
   alignas(64) int32_t imin[kRows * kQuantTile];
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
+  if (rows == 1) return tiles_one_row_vnni<kKind>(a, 0, k, packed, t0, t1, y, n_out, bias);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = packed + t * blocks * L.tile_bytes;
     const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
@@ -192,44 +291,8 @@ void tiles_vnni(const SuperBlockActivations& a, int64_t rows, int64_t k, const u
           if constexpr (kKind != kKindQ6K) _mm512_store_si512(imin + r * kQuantTile, _mm512_setzero_si512());
         }
         for (int64_t g = 0; g < 8; ++g) {
-          const uint8_t* codes = blk + 256 * g;
-          __m512i w[8];
-          for (int j = 0; j < 4; ++j) {
-            const __m512i v = _mm512_loadu_si512(codes + 64 * j);
-            w[j] = _mm512_and_si512(v, low4);
-            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-          }
-          if constexpr (kKind == kKindQ5K) {
-            const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 64 * g);
-            // register j's fifth bits are bit j of each byte: move it to bit 4 (shifts are 16-bit, so mask)
-            w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
-            w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
-            w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
-            w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
-            w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, bit4));
-            w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4));
-            w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4));
-            w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4));
-          }
-          if constexpr (kKind == kKindQ6K) {
-            for (int p = 0; p < 2; ++p) {
-              const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 128 * g + 64 * p);
-              // register 4p + j's bits are bits 2j..2j+1 of each byte: move them to bits 4-5
-              w[4 * p + 0] = _mm512_or_si512(w[4 * p + 0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
-              w[4 * p + 1] = _mm512_or_si512(w[4 * p + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
-              w[4 * p + 2] = _mm512_or_si512(w[4 * p + 2], _mm512_and_si512(h, bits45));
-              w[4 * p + 3] = _mm512_or_si512(w[4 * p + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), bits45));
-            }
-          }
-          __m512i sc0, sc1, mv = _mm512_setzero_si512();
-          if constexpr (kKind == kKindQ6K) {
-            sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g)));
-            sc1 = _mm512_cvtepi8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g + 16)));
-          } else {
-            sc0 = sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g)));
-            mv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.m_offset + 16 * g)));
-          }
+          __m512i w[8], sc0, sc1, mv;
+          load_group<kKind>(blk, g, w, sc0, sc1, mv);
           for (int64_t r = 0; r < count; ++r) {
             const int64_t row = m0 + r;
             const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
