@@ -13,3 +13,21 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 __version__ = "0.1.0"
+
+
+def _resolve_with_store(spec: str | None):
+    """The model store's resolver, handed to the engine (which never imports the store itself)."""
+    from chatapp.engine.model_ref import ModelRef
+    from chatapp.store import resolve_model
+
+    resolved = resolve_model(spec)
+    return ModelRef(resolved.name, resolved.path, resolved.source)
+
+
+def _register_store() -> None:
+    from chatapp.engine.model_ref import register_resolver
+
+    register_resolver(_resolve_with_store, default_name="SmolLM2-135M-Instruct")  # store.BUNDLED_NAME
+
+
+_register_store()

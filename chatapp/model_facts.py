@@ -7,6 +7,8 @@ supported or not and why) and the same memory label, so they live here.
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 import json
 import logging
@@ -274,14 +276,13 @@ def _gguf_summary(path: Path) -> dict[str, Any]:
 
 
 def read_gguf_summary(path: Path) -> dict[str, Any]:
-    """Architecture, parameter count, quantisation and shape facts from a GGUF header (gguf library)."""
+    """Architecture, parameter count, quantisation and shape facts from a GGUF header (the engine's reader)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    from chatapp.engine.models.gguf_file import GGUFModelFile
 
-    def field(name: str) -> Any:
-        f = reader.fields.get(name)
-        return f.contents() if f is not None else None
+    reader = GGUFModelFile(path)
+    field = reader.field
 
     arch = field("general.architecture")
     heads = field(f"{arch}.attention.head_count")
@@ -294,7 +295,7 @@ def read_gguf_summary(path: Path) -> dict[str, Any]:
         quant = f"type {file_type}"
     return {
         "architecture": arch,
-        "parameters": int(sum(int(t.n_elements) for t in reader.tensors)),
+        "parameters": int(sum(math.prod(t.shape) for t in reader.tensors.values())),
         "quantization": quant,
         "context_length": field(f"{arch}.context_length"),
         "block_count": field(f"{arch}.block_count"),

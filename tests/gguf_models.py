@@ -98,6 +98,10 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), mix: str = "Q
         writer.add_key_value(key, value, main, sub_type=sub)
 
     def quantized(name: str, rows: int, cols: int, type_name: str, size: float = weight_size) -> None:
+        if type_name in ("F16", "F32"):  # plain floats (llama-quantize's input)
+            values = (rng.standard_normal((rows, cols), dtype=np.float32) * size).astype(type_name.lower().replace("f", "float"))
+            writer.add_tensor(name, values)
+            return
         data = random_blocks(type_name, rows, cols, rng, size)
         writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[type_name])
 

@@ -223,3 +223,27 @@ def test_facts_count_the_real_parameters_and_flag_what_the_engine_cannot_load(ti
     assert not gptq.supported and "gptq" in gptq.reason
     broken = model_facts.facts_from_config({"architectures": ["LlamaForCausalLM"]})
     assert not broken.supported and "incomplete" in broken.reason
+
+
+def test_the_engine_is_a_leaf_package() -> None:
+    """chatapp/engine never imports the app (store, model facts, settings, TUI, server): the store
+    hands it a resolver instead (chatapp/engine/model_ref.py)."""
+    import ast
+
+    engine = Path(store.__file__).parent / "engine"
+    offenders = []
+    for source in engine.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                if name.startswith("chatapp.") and not name.startswith(("chatapp.engine", "chatapp.kernels",
+                                                                         "chatapp.paths")):
+                    offenders.append(f"{source.relative_to(engine)}: {name}")
+    assert offenders == []
+
+
+def test_bundled_store_name_matches_the_engines_default() -> None:
+    from chatapp.engine.model_ref import default_model_name
+
+    assert default_model_name() == store.BUNDLED_NAME

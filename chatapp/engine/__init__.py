@@ -1,8 +1,25 @@
-"""chatapp's inference engine: paged KV cache, prefix caching, FCFS scheduling with preemption."""
+"""chatapp's inference engine: paged KV cache, prefix caching, FCFS scheduling with preemption.
 
-from chatapp.engine.config import EngineConfig
-from chatapp.engine.llm import LLM
-from chatapp.engine.outputs import CompletionOutput, RequestOutput
-from chatapp.engine.sampling_params import SamplingParams
+The public names load on first use (PEP 562), so a light client can import a small module of
+this package (model_ref, api, ipc) without loading torch.
+"""
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "EngineConfig": "chatapp.engine.config",
+    "LLM": "chatapp.engine.llm",
+    "RequestOutput": "chatapp.engine.outputs",
+    "CompletionOutput": "chatapp.engine.outputs",
+    "SamplingParams": "chatapp.engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'chatapp.engine' has no attribute {name!r}")

@@ -21,7 +21,7 @@ from chatapp.engine.outputs import EngineCoreOutput
 from chatapp.engine.request import Request, RequestStatus
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.engine.scheduler import ScheduledBatch, Scheduler
-from chatapp.store import ResolvedModel, resolve_model
+from chatapp.engine.model_ref import ModelRef, resolve_model_spec
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,9 @@ def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int | 
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: ResolvedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: ModelRef | None = None) -> None:
         start = time.perf_counter()
-        self.model = model or resolve_model(config.model)
+        self.model = model or resolve_model_spec(config.model)
         source = open_model(self.model.path)
         self.model_config: ModelConfig = source.config
         mc = self.model_config

@@ -172,10 +172,10 @@ def config_from_json(text: str) -> EngineConfig:
 
 def normalize_model_spec(spec: str | None) -> str:
     """One spelling per model so two clients can tell whether they asked for the same one."""
-    from chatapp.store import BUNDLED_NAME
+    from chatapp.engine.model_ref import default_model_name
 
-    if spec is None or spec in ("default", BUNDLED_NAME):
-        return BUNDLED_NAME
+    if spec is None or spec in ("default", default_model_name()):
+        return default_model_name()
     path = Path(spec).expanduser()
     if path.exists():
         return str(path.resolve())

@@ -470,13 +470,13 @@ class EngineServer:
 def _precheck_model(spec: str | None) -> None:
     """Fail fast on a model that does not exist, before running requests are ended for it.
 
-    GGUF files (the bundled model too) are left to the loader: resolving them may convert.
+    GGUF files (the bundled model too) are left to the loader, which reports a bad file clearly.
     """
-    from chatapp.store import resolve_model
+    from chatapp.engine.model_ref import resolve_model_spec
 
     if spec is None or spec in ("default",) or spec.endswith(".gguf"):
         return
-    resolve_model(spec)
+    resolve_model_spec(spec)
 
 
 def _alive(proc: psutil.Process) -> bool:
