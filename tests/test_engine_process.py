@@ -515,3 +515,28 @@ async def test_engine_outlives_the_process_that_spawned_it(tiny_model: Path,
     while record.process() is not None and time.monotonic() < deadline:  # the last client left: it exits
         await asyncio.sleep(0.05)
     assert record.process() is None and ipc.read_record(runtime) is None
+
+
+async def test_a_damaged_gguf_file_fails_the_switch_and_the_engine_goes_on(tiny_model: Path, tmp_path: Path,
+                                                                            private_runtime: Path) -> None:
+    """Switching the shared engine to a truncated GGUF file answers with an error naming the
+    tensor, and the engine comes back on the model it had: other clients keep their engine."""
+    from tests.gguf_models import write_llama_gguf
+
+    whole = write_llama_gguf(tmp_path / "whole.gguf", mix="Q4_K", seed=1)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    config = EngineConfig(**engine_config(tiny_model))
+    client = await AsyncEngineClient.connect(config, runtime_dir=private_runtime)
+    try:
+        before = client.model_info
+        with pytest.raises(InvalidRequestError, match=r"truncated: tensor blk\.\d+\.\w+\.weight"):
+            await client.switch_model(str(cut))
+        deadline = time.monotonic() + 120
+        while client.state != "ready" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert client.state == "ready" and client.model_info == before
+        deltas = await collect(client.generate("Hello", SamplingParams(temperature=0, max_tokens=4)))
+        assert deltas[-1].finish_reason == "length"
+    finally:
+        await client.close()

@@ -293,3 +293,46 @@ def test_loading_a_300_mb_file_adds_at_most_1_3x_its_size_to_peak_rss(tmp_path: 
     assert probe.returncode == 0, probe.stderr[-2000:]
     rss = json.loads(probe.stdout.strip().splitlines()[-1])
     assert rss["peak"] - rss["before"] <= 1.3 * size, (rss, size)
+
+
+def test_float_tensors_run_dequantised_and_match_the_float_model(gguf_dir: Path) -> None:
+    """F16 tensors (no kernel of ours takes them) become float32 layers of the same values: the
+    file still loads in its own types ("gguf"), and answers exactly as the float model does."""
+    path = write_llama_gguf(gguf_dir / "tiny-F16.gguf", mix="F16", embed_type="Q8_0", seed=4)
+    native = LLM(str(path), kv_cache_memory_gib=0.02)
+    exact = LLM(str(path), kv_cache_memory_gib=0.02, quantization=None)
+    assert native.config.quantization == "gguf"
+    qkv = native.core.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, torch.nn.Linear) and qkv.weight.dtype == torch.float32
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in native.generate(PROMPTS, params)]
+            == [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)])
+
+
+def test_a_model_that_cannot_fit_is_refused_before_loading(gguf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    from chatapp.engine.model_runner import ModelTooLargeError
+    from chatapp.engine.models import gguf_loader
+
+    path = write_llama_gguf(gguf_dir / "tiny-fit.gguf", mix="Q4_K_M", seed=6)
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=100 * 2**20))
+    loads: list[str] = []
+    monkeypatch.setattr(gguf_loader, "load_gguf_native", lambda *a, **k: loads.append("loaded"))
+    with pytest.raises(ModelTooLargeError, match=r"needs about 0\.\d GiB of memory \(weights 0\.0\d GiB \+ KV cache "
+                                                 r"0\.02 GiB \+ 0\.5 GiB working memory\) but only 0\.1 GiB is available"):
+        LLM(str(path), kv_cache_memory_gib=0.02)
+    assert loads == []  # refused before a byte of weights was read
+
+
+def test_native_weight_estimate_is_what_loading_holds(gguf_dir: Path) -> None:
+    from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.engine.models.gguf_loader import native_weight_bytes
+
+    path = write_llama_gguf(gguf_dir / "tiny-estimate.gguf", mix="Q4_K_M", seed=8)
+    model = LLM(str(path), kv_cache_memory_gib=0.02).core.runner.model
+    held = sum(p.packed.numel() for m in model.modules() if isinstance(m, BlockQuantLinear) for p in m.parts)
+    held += sum(p.numel() * 4 for p in model.parameters())
+    gguf = GGUFModelFile(path)
+    assert native_weight_bytes(gguf, gguf.model_config()) == held
