@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 BASE_ENV = dict(os.environ)  # llama.cpp runs with its own OpenMP defaults (chatapp sets OMP_WAIT_POLICY)
 
 _OURS = r"""
-import json, resource, sys, time
+import json, sys, time
 import psutil
 t0 = time.perf_counter()
 from chatapp.engine import LLM, SamplingParams
@@ -48,7 +48,7 @@ rss0 = psutil.Process().memory_info().rss
 t1 = time.perf_counter()
 llm = LLM(sys.argv[1], kv_cache_memory_gib=float(sys.argv[2]))
 load = time.perf_counter() - t1
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))  # not ru_maxrss: it keeps the parent's peak across exec
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 llm.generate(["warm up"], greedy(8))
 def best(fn, runs=2):

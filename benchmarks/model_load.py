@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
 import psutil
 from chatapp.engine import cpu_kernels
 from chatapp.engine.models.gguf_file import GGUFModelFile
@@ -28,7 +28,7 @@ start = time.perf_counter()
 gguf = GGUFModelFile(sys.argv[1])
 model = load_gguf_native(gguf, gguf.model_config(), 4096, ext)
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))  # not ru_maxrss: it keeps the parent's peak across exec
 print(json.dumps({"seconds": seconds, "peak_over_before": peak - before}))
 """
 

@@ -530,7 +530,7 @@ async def test_a_damaged_gguf_file_fails_the_switch_and_the_engine_goes_on(tiny_
     client = await AsyncEngineClient.connect(config, runtime_dir=private_runtime)
     try:
         before = client.model_info
-        with pytest.raises(InvalidRequestError, match=r"truncated: tensor blk\.\d+\.\w+\.weight"):
+        with pytest.raises(InvalidRequestError, match=r"cut\.gguf is truncated: tensor [\w.]+ ends past the end"):
             await client.switch_model(str(cut))
         deadline = time.monotonic() + 120
         while client.state != "ready" and time.monotonic() < deadline:

@@ -41,6 +41,12 @@ def load() -> ModuleType | None:
         key = "".join(p.read_text() for p in sorted(_CSRC.iterdir())) + " ".join(_CFLAGS) + cpu
         tag = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
         build_dir = paths.cache_dir() / "torch_extensions" / f"cpu_kernels_{tag}"
+        built = build_dir / f"chatapp_cpu_kernels_{tag}.so"
+        if built.exists():  # the key covers source, flags and CPU: import it without asking ninja (~1 s)
+            try:
+                return _import_built(f"chatapp_cpu_kernels_{tag}", built)
+            except (ImportError, OSError) as exc:  # e.g. a link cut short: build it again
+                log.info("rebuilding the CPU kernels (%s)", exc)
         build_dir.mkdir(parents=True, exist_ok=True)
         return load_extension(
             name=f"chatapp_cpu_kernels_{tag}",
@@ -53,6 +59,19 @@ def load() -> ModuleType | None:
     except Exception as exc:  # no compiler, no headers, a sandbox: the torch path still works
         log.warning("CPU attention kernels unavailable (%s); using the torch path", exc)
         return None
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    import importlib.util
+
+    import torch  # noqa: F401  the extension links against torch's libraries, loaded first
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cpu_flags() -> str:

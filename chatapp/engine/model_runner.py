@@ -55,9 +55,9 @@ def check_fits(weight_bytes: int, kv_bytes: int, mc: ModelConfig) -> None:
     if needed > available:
         gib = 2**30
         raise ModelTooLargeError(
-            f"this {mc.architecture} model needs about {needed / gib:.1f} GiB of memory (weights "
-            f"{weight_bytes / gib:.1f} GiB + KV cache {kv_bytes / gib:.1f} GiB + {WORKING_MEMORY_BYTES / gib:.1f} "
-            f"GiB working memory) but only {available / gib:.1f} GiB is available; close other programs, "
+            f"this {mc.architecture} model needs about {needed / gib:.2f} GiB of memory (weights "
+            f"{weight_bytes / gib:.2f} GiB + KV cache {kv_bytes / gib:.2f} GiB + {WORKING_MEMORY_BYTES / gib:.2f} "
+            f"GiB working memory) but only {available / gib:.2f} GiB is available; close other programs, "
             f"lower the KV cache (kv_cache_memory_gib), or pick a smaller or more quantised model")
 
 
