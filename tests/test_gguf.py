@@ -267,13 +267,9 @@ from chatapp.engine.models.gguf_loader import load_gguf_native
 ext = cpu_kernels.load()
 gguf = GGUFModelFile(sys.argv[1])
 mc = gguf.model_config()
-# Warm the runtime up first: a repack, and a model built on torch's meta device (its first use imports
-# ~150 MB of torch's Python and library pages). A fixed cost of any model, not of loading this file.
+# Warm the runtime up first (a repack starts the thread pool): a fixed cost, not this file's.
 import torch
-from chatapp.engine.models.llama import LlamaForCausalLM
 ext.repack_gguf(torch.zeros(16, 18, dtype=torch.uint8), 2, 32)
-with torch.device("meta"):
-    LlamaForCausalLM(mc, 16)
 def high_water() -> int:  # VmHWM: this process's own peak (ru_maxrss would carry the parent's across exec)
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
@@ -287,7 +283,7 @@ print(json.dumps({"before": before, "peak": high_water(), "after": psutil.Proces
 
 def test_loading_a_300_mb_file_adds_at_most_1_3x_its_size_to_peak_rss(tmp_path: Path) -> None:
     """Measured in a fresh process: peak RSS during the load over RSS just before it (Python, torch
-    and our kernels already imported and warmed up), so only what loading holds counts."""
+    and our kernels already imported), so only what loading holds counts."""
     shape = LlamaShape(hidden=2048, layers=8, heads=16, kv_heads=4, intermediate=5632)
     path = write_llama_gguf(tmp_path / "300mb-Q4_K_M.gguf", shape, mix="Q4_K_M", seed=2)
     size = path.stat().st_size

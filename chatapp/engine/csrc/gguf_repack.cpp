@@ -122,18 +122,21 @@ void scale_min_k4(const uint8_t* s, int j, uint8_t& sc, uint8_t& m) {
   }
 }
 
+// Straight loops over ggml's byte order (no per-weight index arithmetic): this runs over every weight
+// of the file at each start.
 Block256 decode_block256(int64_t type, const uint8_t* p) {
   Block256 b{};
   if (type == kQ6_K) {
     const uint8_t *ql = p, *qh = p + 128;
     for (int s = 0; s < 16; ++s) b.sc[s] = static_cast<int8_t>(p[192 + s]);
     b.d = u16(p + 208);
-    for (int w = 0; w < 256; ++w) {
-      const int h = w / 128, rem = w % 128;
-      const uint8_t byte = ql[64 * h + rem % 64];
-      const int low = rem < 64 ? byte & 0x0F : byte >> 4;
-      const int high = (qh[32 * h + rem % 32] >> (2 * (rem / 32))) & 3;
-      b.code[w] = static_cast<uint8_t>(low | high << 4);
+    for (int h = 0; h < 2; ++h) {  // two halves of 128: low nibbles of 64 bytes, then their high nibbles
+      for (int l = 0; l < 64; ++l) {
+        b.code[128 * h + l] = ql[64 * h + l] & 0x0F;
+        b.code[128 * h + 64 + l] = ql[64 * h + l] >> 4;
+      }
+      for (int s = 0; s < 4; ++s)  // bits 4-5 of weight 32s + l: bits 2s..2s+1 of qh[l]
+        for (int l = 0; l < 32; ++l) b.code[128 * h + 32 * s + l] |= ((qh[32 * h + l] >> (2 * s)) & 3) << 4;
     }
     return b;
   }
@@ -148,13 +151,14 @@ Block256 decode_block256(int64_t type, const uint8_t* p) {
   }
   const uint8_t* qh = type == kQ5_K ? p + 16 : nullptr;
   const uint8_t* qs = type == kQ5_K ? p + 48 : p + 16;
-  for (int w = 0; w < 256; ++w) {
-    const int l = w % 64;
-    const uint8_t byte = qs[32 * (w / 64) + l % 32];
-    int q = l < 32 ? byte & 0x0F : byte >> 4;
-    if (qh) q |= ((qh[w % 32] >> (w / 32)) & 1) << 4;
-    b.code[w] = static_cast<uint8_t>(q);
-  }
+  for (int c = 0; c < 4; ++c)  // chunks of 64: low nibbles of 32 bytes, then their high nibbles
+    for (int l = 0; l < 32; ++l) {
+      b.code[64 * c + l] = qs[32 * c + l] & 0x0F;
+      b.code[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+  if (qh)
+    for (int g = 0; g < 8; ++g)  // the fifth bit of weight 32g + l: bit g of qh[l]
+      for (int l = 0; l < 32; ++l) b.code[32 * g + l] |= ((qh[l] >> g) & 1) << 4;
   return b;
 }
 
@@ -178,13 +182,16 @@ void write_block32(uint8_t* blk, int64_t kind, int64_t c, const Block32& b) {
 
 void write_block256(uint8_t* blk, int64_t kind, int64_t c, const Block256& b) {
   for (int g = 0; g < 8; ++g) put_nibbles(blk + 256 * g, c, b.code + 32 * g);
-  for (int g = 0; g < 8; ++g)
-    for (int in = 0; in < 32; ++in) {
-      const int reg = (in % 16) / 4 + 4 * (in / 16), lane = static_cast<int>(4 * c + in % 4);
-      const int high = b.code[32 * g + in] >> 4;
-      if (kind == kKindQ5K) blk[2048 + 64 * g + lane] |= static_cast<uint8_t>(high << reg);
-      if (kind == kKindQ6K) blk[2048 + 128 * g + 64 * (reg / 4) + lane] |= static_cast<uint8_t>(high << (2 * (reg % 4)));
-    }
+  if (kind != kKindQ4K)
+    for (int g = 0; g < 8; ++g)
+      for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i) {  // input 16 half + 4j + i sits in register j + 4 half, lane 4c + i
+            const int reg = j + 4 * half, lane = static_cast<int>(4 * c + i);
+            const int high = b.code[32 * g + 16 * half + 4 * j + i] >> 4;
+            if (kind == kKindQ5K) blk[2048 + 64 * g + lane] |= static_cast<uint8_t>(high << reg);
+            else blk[2048 + 128 * g + 64 * half + lane] |= static_cast<uint8_t>(high << (2 * j));
+          }
   if (kind == kKindQ6K) {
     std::memcpy(blk + 3072 + 2 * c, &b.d, 2);
     for (int s = 0; s < 16; ++s) blk[3104 + 16 * s + c] = static_cast<uint8_t>(b.sc[s]);

@@ -196,8 +196,7 @@ def load_gguf_float(gguf: GGUFModelFile, mc: ModelConfig, dtype: torch.dtype, de
                     max_positions: int) -> LlamaForCausalLM:
     """Every tensor de-quantised into a float model of ``dtype`` (GPU, or the CPU without our kernels)."""
     _check_layer_count(gguf, mc)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(mc, max_positions)
+    model = LlamaForCausalLM(mc, max_positions, device="meta")
     model = model.to_empty(device=device).to(dtype)
     loader = _Loader(gguf, mc)
 
@@ -237,8 +236,7 @@ def load_gguf_native(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, e
     """Our CPU model with every projection in the file's own blocks (float32 activations)."""
     _check_layer_count(gguf, mc)
     device, dtype = torch.device("cpu"), torch.float32
-    with torch.device("meta"):
-        model = LlamaForCausalLM(mc, max_positions)
+    model = LlamaForCausalLM(mc, max_positions, device="meta")
     loader = _Loader(gguf, mc)
     h = mc.hidden_size
 

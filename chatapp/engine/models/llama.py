@@ -16,11 +16,13 @@ from chatapp.engine.attention import AttentionBackend
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.rope import RotaryEmbedding
 
+Device = torch.device | str | None
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, device: Device = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -32,17 +34,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, mc: ModelConfig, layer: int) -> None:
+    def __init__(self, mc: ModelConfig, layer: int, device: Device = None) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
         self.q_size = mc.num_heads * mc.head_dim
         self.kv_size = mc.num_kv_heads * mc.head_dim
-        self.qkv_proj = nn.Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, bias=mc.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, mc.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, bias=mc.attention_bias, device=device)
+        self.o_proj = nn.Linear(self.q_size, mc.hidden_size, bias=False, device=device)
         if mc.qk_norm:
-            self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps)
-            self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps)
+            self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, device)
+            self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, device)
         else:
             self.q_norm = self.k_norm = None
 
@@ -61,11 +63,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, mc: ModelConfig) -> None:
+    def __init__(self, mc: ModelConfig, device: Device = None) -> None:
         super().__init__()
         self.intermediate = mc.intermediate_size
-        self.gate_up_proj = nn.Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=mc.mlp_bias)
-        self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=mc.mlp_bias)
+        self.gate_up_proj = nn.Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=mc.mlp_bias, device=device)
+        self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=mc.mlp_bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -73,12 +75,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, layer: int) -> None:
+    def __init__(self, mc: ModelConfig, layer: int, device: Device = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
-        self.self_attn = Attention(mc, layer)
-        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
-        self.mlp = MLP(mc)
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, device)
+        self.self_attn = Attention(mc, layer, device)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, device)
+        self.mlp = MLP(mc, device)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
@@ -87,18 +89,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids and positions of a flattened batch in, final hidden states out."""
+    """Token ids and positions of a flattened batch in, final hidden states out.
 
-    def __init__(self, mc: ModelConfig, max_positions: int) -> None:
+    device="meta" builds it without memory, for a loader to fill. The embedding is made uninitialised:
+    on the meta device, nn.Embedding's normal_ init runs torch's reference ops, which import its
+    compiler stack (~2 s and ~150 MB at every load).
+    """
+
+    def __init__(self, mc: ModelConfig, max_positions: int, device: Device = None) -> None:
         super().__init__()
         self.config = mc
-        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(mc, i) for i in range(mc.num_layers))
-        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        # An uninitialised weight: the loader fills it (nn.Embedding's own normal_ init is the slow ref op).
+        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size,
+                                         _weight=torch.empty(mc.vocab_size, mc.hidden_size, device=device))
+        self.layers = nn.ModuleList(DecoderLayer(mc, i, device) for i in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, device)
         if mc.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+            self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False, device=device)
         self.max_positions = max_positions
         self.rope: RotaryEmbedding | None = None
         self.quantized_lm_head: nn.Module | None = None  # set by quantize_int8 or quantize_blocks

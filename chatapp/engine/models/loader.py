@@ -48,8 +48,7 @@ def _shard_sizes(mc: ModelConfig, fused: str) -> list[int]:
 
 def load_model(model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        model = LlamaForCausalLM(mc, max_positions)
+    model = LlamaForCausalLM(mc, max_positions, device="meta")
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
