@@ -69,7 +69,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     llm = LLM(args.model, quantization=args.quantization)
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.core.model.path), dtype=torch.float32).eval()
+    path = llm.core.model.path
+    if path.suffix == ".gguf":  # transformers de-quantises the same file itself
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     tok = llm.tokenizer
     prompts = [prompt_of_tokens(tok, 200, seed=i) for i in range(16)]
     print(f"model {llm.core.model.name}, device {llm.config.device}, threads {torch.get_num_threads()}, "
