@@ -197,7 +197,7 @@ def main() -> None:
                     [server, "-m", str(path), "-t", str(args.threads), "--port", str(port), "-fa", "on"], port, BASE_ENV)
         print(f"## {path.name} ({size / 2**20:.0f} MiB)")
         print(json.dumps(rows, indent=1))
-        base = {k: max((r.get(k, 0.0) or 0.0) for name, r in rows.items() if name != "ours")
+        base = {k: max(((r.get(k, 0.0) or 0.0) for name, r in rows.items() if name != "ours"), default=0.0)
                 for k in ("decode_tps", "pp_tps", "eight_tps")}
         mine = rows["ours"]
         for key, label in (("decode_tps", "decode"), ("pp_tps", "prompt 512"), ("eight_tps", "8-way")):
