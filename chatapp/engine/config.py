@@ -10,19 +10,22 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import torch
 
+if TYPE_CHECKING:
+    import torch
+
+# Names only: clients build configs too, and must not pay for importing torch (~1.2 s, ~250 MB).
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -86,13 +89,17 @@ class EngineConfig:
 
     # -- resolution ---------------------------------------------------------
 
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
+
         return torch.device(self.device)
 
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
 
-    def finalize(self, *, checkpoint_dtype: torch.dtype | None, model_max_len: int) -> "EngineConfig":
+        return getattr(torch, _DTYPES[self.dtype])
+
+    def finalize(self, *, checkpoint_dtype: "torch.dtype | None", model_max_len: int) -> "EngineConfig":
         """Return a copy with every "auto"/None field chosen from the model and machine."""
         cfg = dataclasses.replace(self)
         cfg.device = _resolve_device(cfg.device)
@@ -133,6 +140,8 @@ class EngineConfig:
 
 
 def _resolve_device(device: str) -> str:
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
@@ -142,7 +151,9 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _resolve_dtype(dtype: str, device: str, checkpoint_dtype: torch.dtype | None) -> str:
+def _resolve_dtype(dtype: str, device: str, checkpoint_dtype: "torch.dtype | None") -> str:
+    import torch
+
     if dtype == "auto":
         if device == "cpu":
             return "float32"

@@ -11,7 +11,7 @@ import logging
 import time
 from collections import deque
 
-from chatapp.engine.api import EngineBusyError
+from chatapp.engine.api import EngineBusyError, context_length_error  # noqa: F401  (re-exported)
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_runner import ModelRunner
@@ -26,14 +26,6 @@ from chatapp.engine.model_ref import ModelRef, resolve_model_spec
 log = logging.getLogger(__name__)
 
 _RECENT_STEPS = 64
-
-
-def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int | None) -> str:
-    """The wording litellm (and so aider) recognises as a context-window error."""
-    asked = num_prompt + (max_tokens or 0)
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{asked} tokens ({num_prompt} in the messages, {max_tokens or 0} in the completion). "
-            f"Please reduce the length of the messages or completion.")
 
 
 class EngineCore:

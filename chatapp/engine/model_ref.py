@@ -35,6 +35,11 @@ def default_model_name() -> str:
     return _default_name
 
 
+def is_gguf_path(path: Path | str) -> bool:
+    path = Path(path)
+    return path.suffix == ".gguf" and not path.is_dir()
+
+
 def resolve_path(spec: str | None) -> ModelRef:
     """A model given by its path alone (the engine's own resolver)."""
     if spec is None:

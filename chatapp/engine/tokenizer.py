@@ -17,9 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer
-
-from chatapp.engine.models.source import is_gguf_path
+from chatapp.engine.model_ref import is_gguf_path
 
 _ROLES = ("system", "developer", "user", "assistant")
 _REMEMBERED = 4096
@@ -73,6 +71,8 @@ def load_hf_tokenizer(path: Path):
     a 128k one); the saved files load in a fraction of that. Only the tokenizer is kept: weights
     are always read from the file itself.
     """
+    from transformers import AutoTokenizer  # here, not at import: clients load it while the engine starts
+
     if not is_gguf_path(path):
         return AutoTokenizer.from_pretrained(str(path))
     cache = gguf_tokenizer_cache(path)

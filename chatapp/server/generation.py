@@ -20,7 +20,7 @@ import anyio
 from fastapi import Request
 
 from chatapp.engine.api import EngineClient
-from chatapp.engine.core import context_length_error
+from chatapp.engine.api import context_length_error
 from chatapp.engine.output_processor import OutputDelta
 from chatapp.engine.outputs import TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from chatapp.engine.model_ref import is_gguf_path
 from chatapp.engine.models.config import ModelConfig, load_model_config
 from chatapp.engine.models.gguf_file import GGUFModelFile
 
@@ -18,11 +19,6 @@ class ModelSource:
     @property
     def is_gguf(self) -> bool:
         return self.gguf is not None
-
-
-def is_gguf_path(path: Path | str) -> bool:
-    path = Path(path)
-    return path.suffix == ".gguf" and not path.is_dir()
 
 
 def open_model(path: Path | str) -> ModelSource:
