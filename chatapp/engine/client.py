@@ -39,12 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -202,7 +200,6 @@ class AsyncEngineClient:
     async def _start(self) -> None:
         if self.state == "ready":
             return
-        _import_tokenizer_library_soon()
         self._death = None
         self._set_state("starting", "looking for a running engine")
         try:
@@ -724,17 +721,6 @@ class AsyncEngineClient:
 
 class _EngineLeft(Exception):
     """The engine we were attaching to exited under us (internal: start() retries once)."""
-
-
-def _import_tokenizer_library_soon() -> None:
-    """Import transformers (our tokenizers' library, ~1 s) on a thread while the engine loads the model.
-
-    The client needs it only once the engine is ready; started now, the import overlaps the engine's
-    own start instead of following it. Python's import lock makes a later import wait for this one.
-    """
-    if "transformers" not in sys.modules:
-        threading.Thread(target=importlib.import_module, args=("transformers",), name="import-transformers",
-                         daemon=True).start()
 
 
 def _alive(proc: psutil.Process, popen: subprocess.Popen[bytes] | None) -> bool:
