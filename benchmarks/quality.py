@@ -36,21 +36,8 @@ QUESTIONS = [
 
 
 def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of ``ids`` from one prefill (embedding requests use the same path)."""
-    from chatapp.engine.request import Request
-    from chatapp.engine.scheduler import ScheduledBatch
-
-    core = llm.core
-    req = Request("\0quality", ids, SamplingParams(max_tokens=1), frozenset(), core.config.block_size,
-                  core.config.max_model_len)
-    assert core.kv.allocate_slots(req, len(ids))
-    try:
-        hidden = core.runner.hidden_states(ScheduledBatch([req], [len(ids)]), {req.request_id: core.kv.block_ids(
-            req.request_id)})[0]
-        with torch.inference_mode():
-            return core.runner.model.compute_logits(hidden)
-    finally:
-        core.kv.free(req.request_id)
+    """Logits at every position of ``ids`` from one prefill (the offline API's prompt_logits)."""
+    return llm.prompt_logits(ids)
 
 
 def agreement(reference: LLM, candidate: LLM, num_tokens: int) -> dict[str, float]:

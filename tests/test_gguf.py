@@ -132,24 +132,6 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gguf-files")
 
 
-def teacher_forced(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of ``ids`` from one prefill."""
-    from chatapp.engine.request import Request
-    from chatapp.engine.scheduler import ScheduledBatch
-
-    core = llm.core
-    req = Request("\0tf", ids, SamplingParams(max_tokens=1), frozenset(), core.config.block_size,
-                  core.config.max_model_len)
-    assert core.kv.allocate_slots(req, len(ids))
-    try:
-        hidden = core.runner.hidden_states(ScheduledBatch([req], [len(ids)]),
-                                           {req.request_id: core.kv.block_ids(req.request_id)})[0]
-        with torch.inference_mode():
-            return core.runner.model.compute_logits(hidden)
-    finally:
-        core.kv.free(req.request_id)
-
-
 @pytest.mark.parametrize("mix", [*BLOCK_TYPES, "Q4_K_M"])
 def test_a_gguf_file_runs_in_its_own_types_close_to_its_float_model(gguf_dir: Path, mix: str) -> None:
     """Each type's file runs natively ("gguf") and follows the float model of the same weights: the
@@ -163,7 +145,7 @@ def test_a_gguf_file_runs_in_its_own_types_close_to_its_float_model(gguf_dir: Pa
     agree = total = 0
     for out in exact.generate(PROMPTS, params):
         ids = out.prompt_token_ids + out.outputs[0].token_ids
-        a, b = teacher_forced(exact, ids), teacher_forced(native, ids)
+        a, b = exact.prompt_logits(ids), native.prompt_logits(ids)
         assert float((a - b).norm() / a.norm()) < 0.03
         agree += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(ids)

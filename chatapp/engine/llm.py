@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
@@ -12,6 +12,9 @@ from chatapp.engine.output_processor import OutputProcessor
 from chatapp.engine.outputs import RequestOutput
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 Prompt = str | list[int]
 
@@ -50,6 +53,30 @@ class LLM:
 
     def stats(self) -> dict[str, float | int | str]:
         return self.core.stats()
+
+    def prompt_logits(self, token_ids: list[int]) -> "torch.Tensor":
+        """Logits at every position of ``token_ids`` from one prefill (teacher forcing).
+
+        For quality checks: how closely two engines (float32, int8, a GGUF file's own types) follow
+        each other on the same tokens. It runs on a scratch request, outside the scheduler.
+        """
+        import torch
+
+        from chatapp.engine.request import Request
+        from chatapp.engine.scheduler import ScheduledBatch
+
+        core = self.core
+        req = Request("\0prompt-logits", list(token_ids), SamplingParams(max_tokens=1), frozenset(),
+                      core.config.block_size, core.config.max_model_len)
+        if not core.kv.allocate_slots(req, len(token_ids)):
+            raise ValueError(f"{len(token_ids)} tokens do not fit the free KV cache")
+        try:
+            hidden = core.runner.hidden_states(ScheduledBatch([req], [len(token_ids)]),
+                                               {req.request_id: core.kv.block_ids(req.request_id)})[0]
+            with torch.inference_mode():
+                return core.runner.model.compute_logits(hidden)
+        finally:
+            core.kv.free(req.request_id)
 
     def _run(self, items: list[tuple[str | None, list[int]]],
              params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
