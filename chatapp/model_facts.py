@@ -7,15 +7,17 @@ supported or not and why) and the same memory label, so they live here.
 
 from __future__ import annotations
 
-import math
-
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+# GGUF `general.architecture` -> the Hugging Face class our engine runs for it (one map, the engine's).
+from chatapp.engine.models.gguf_file import GGUF_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +32,6 @@ TIGHT_MEMORY_SHARE = 0.75
 SLOW_WEIGHT_BYTES = 4 << 30
 
 FITS, SLOW, WONT_FIT = "fits", "will be slow", "will not fit"
-
-# GGUF `general.architecture` -> the Hugging Face class the engine runs after conversion.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 
 @dataclass(frozen=True)

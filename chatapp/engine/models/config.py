@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -68,7 +70,11 @@ def _eos_ids(value: Any) -> set[int]:
 
 
 def _checkpoint_dtype(name: str | None) -> torch.dtype | None:
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(name or "")
+    if name not in ("float16", "bfloat16", "float32"):
+        return None
+    import torch  # here: model facts read configs in clients, which do not load torch
+
+    return getattr(torch, name)
 
 
 def check_supported(hf_config: dict[str, Any]) -> str:
