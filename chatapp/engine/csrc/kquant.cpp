@@ -302,14 +302,7 @@ void tiles_vnni(const SuperBlockActivations& a, int64_t rows, int64_t k, const u
             const int64_t row = m0 + r;
             const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
             const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
-            __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
-            __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], broadcast4(xq + 16));
-            s0 = _mm512_dpbusd_epi32(s0, w[1], broadcast4(xq + 4));
-            s1 = _mm512_dpbusd_epi32(s1, w[5], broadcast4(xq + 20));
-            s0 = _mm512_dpbusd_epi32(s0, w[2], broadcast4(xq + 8));
-            s1 = _mm512_dpbusd_epi32(s1, w[6], broadcast4(xq + 24));
-            s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
-            s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
+            __m512i s0 = dot_chain(w, xq), s1 = dot_chain(w + 4, xq + 16);
             int32_t* is = isum + r * kQuantTile;
             __m512i total = _mm512_load_si512(is);
             if constexpr (kKind == kKindQ6K) {
