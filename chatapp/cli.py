@@ -10,6 +10,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatapp", description="Chat with local models in your terminal.")
     parser.add_argument("--model", help="model name, directory or GGUF file (default: the bundled SmolLM2)")
+    add_engine_options(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine activity")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from chatapp import cli_models
@@ -17,6 +18,28 @@ def build_parser() -> argparse.ArgumentParser:
     cli_models.register(sub)
     _register_serve(sub)
     return parser
+
+
+def add_engine_options(parser: argparse.ArgumentParser, default: object = None) -> None:
+    """--max-model-len and --kv-cache-gib (over settings.toml's [engine]); used when the engine starts."""
+    parser.add_argument("--max-model-len", type=_positive(int), default=default, metavar="TOKENS",
+                        help="context length in tokens (default: settings, else the model's own, held to memory)")
+    parser.add_argument("--kv-cache-gib", type=_positive(float), default=default, metavar="GIB",
+                        help="the most memory the KV cache may take (default: settings, else sized to the context)")
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _register_serve(sub: argparse._SubParsersAction) -> None:

@@ -22,6 +22,7 @@ Layout of the file (every key optional)::
 
     [engine]
     kv_cache_memory_gib = 4.0
+    max_model_len = 8192
 
     [server]
     host = "127.0.0.1"
@@ -124,7 +125,16 @@ class RemoteEndpoint(_Section):
 
 class EngineSettings(_Section):
     kv_cache_memory_gib: float | None = Field(default=None, gt=0)
-    """Memory for the local engine's KV cache, in GiB; unset: the engine picks a share of RAM."""
+    """The most memory the local engine's KV cache may take, in GiB; unset: sized to the context
+    (a few full contexts, held to half the memory left beside the weights)."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    """Context length in tokens (prompt + answer); unset: the model's own, held to what memory allows."""
+
+    def options(self, **overrides: Any) -> dict[str, Any]:
+        """EngineConfig fields from these settings, with command-line values (not None) on top."""
+        chosen = {"kv_cache_memory_gib": self.kv_cache_memory_gib, "max_model_len": self.max_model_len}
+        chosen.update({k: v for k, v in overrides.items() if v is not None})
+        return {k: v for k, v in chosen.items() if v is not None}
 
 
 class ServerSettings(_Section):

@@ -26,7 +26,9 @@ def test_greedy_matches_hf(variant: str, tmp_path: Path) -> None:
     path = make_tiny_model(tmp_path / variant, **VARIANTS[variant])
     if variant == "qwen2-qkv-bias":  # HF initialises biases to zero: make them matter
         _randomise_biases(path)
-    llm = LLM(str(path), kv_cache_memory_gib=0.02, max_num_batched_tokens=16, quantization=None)
+    # Float32 weights and KV cache: bit for bit the model Hugging Face runs.
+    llm = LLM(str(path), kv_cache_memory_gib=0.02, max_num_batched_tokens=16, quantization=None,
+              kv_cache_dtype="float32")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10))
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 10)

@@ -47,15 +47,20 @@ def kernel(ext, q, k_cache, v_cache, meta, scale):
                                meta.seq_lens, meta.block_tables, scale)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads, block_size", [((9, 3, 64), 16), ((4, 4, 32), 8), ((8, 2, 128), 32)])
-def test_kernel_matches_sdpa_for_decodes_and_prefill_chunks(ext, heads: tuple[int, int, int], block_size: int) -> None:
+def test_kernel_matches_sdpa_for_decodes_and_prefill_chunks(ext, heads: tuple[int, int, int], block_size: int,
+                                                            cache_dtype: torch.dtype) -> None:
+    """Float32 or float16 caches (the CPU default): the kernel widens halves exactly, so against SDPA
+    on the same (widened) cache it is as close as in float32."""
     num_heads, num_kv_heads, head_dim = heads
     # Decodes (one partial block, one exact multiple), a fresh prompt, and chunks with cached context.
     seq_lens = [1, 17, block_size * 3, 23, 70, 2 * block_size + 5]
     q_lens = [1, 1, 1, 23, 9, block_size]
     meta = make_step(block_size, seq_lens, q_lens)
     torch.manual_seed(1)
-    caches = [(torch.randn(64, block_size, num_kv_heads, head_dim), torch.randn(64, block_size, num_kv_heads, head_dim))]
+    caches = [(torch.randn(64, block_size, num_kv_heads, head_dim).to(cache_dtype),
+               torch.randn(64, block_size, num_kv_heads, head_dim).to(cache_dtype))]
     tokens = sum(q_lens)
     q = torch.randn(tokens, num_heads, head_dim)
     k, v = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
@@ -63,11 +68,12 @@ def test_kernel_matches_sdpa_for_decodes_and_prefill_chunks(ext, heads: tuple[in
     reference_backend.begin_step(meta)
     reference = reference_backend.forward(0, q, k, v)  # also stores k, v into the caches
     fast = kernel(ext, q, caches[0][0], caches[0][1], meta, head_dim**-0.5)
-    assert reference.abs().mean() > 0.05
+    assert caches[0][0].dtype == cache_dtype and reference.abs().mean() > 0.05
     torch.testing.assert_close(fast, reference, atol=3e-5, rtol=1e-4)
 
 
-def test_a_rows_result_does_not_depend_on_its_chunk_batch_or_layout(ext) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_a_rows_result_does_not_depend_on_its_chunk_batch_or_layout(ext, cache_dtype: torch.dtype) -> None:
     """Bitwise: the same query over the same keys gives the same bits however it is batched.
 
     A 40-token prompt in one chunk (tiles of 16 rows: query rows in vector lanes) against its
@@ -75,7 +81,7 @@ def test_a_rows_result_does_not_depend_on_its_chunk_batch_or_layout(ext) -> None
     """
     bs, heads = 16, (9, 3, 64)
     torch.manual_seed(1)
-    k_cache, v_cache = torch.randn(64, bs, 3, 64), torch.randn(64, bs, 3, 64)
+    k_cache, v_cache = torch.randn(64, bs, 3, 64).to(cache_dtype), torch.randn(64, bs, 3, 64).to(cache_dtype)
     q = torch.randn(40, 9, 64)
     whole = make_step(bs, [40], [40])
     out_whole = kernel(ext, q, k_cache, v_cache, whole, 0.125)

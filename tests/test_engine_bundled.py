@@ -37,8 +37,10 @@ def model_path():
 
 @pytest.fixture(scope="module")
 def llm(model_path) -> LLM:
-    # A tiny token budget forces chunked prefill and mixes decodes with prefill chunks.
-    return LLM(kv_cache_memory_gib=0.25, max_num_batched_tokens=24, long_prefill_token_threshold=16, quantization=None)
+    # A tiny token budget forces chunked prefill and mixes decodes with prefill chunks. Float32
+    # weights and KV cache: the model Hugging Face runs (the CPU default caches keys in float16).
+    return LLM(kv_cache_memory_gib=0.25, max_num_batched_tokens=24, long_prefill_token_threshold=16, quantization=None,
+               kv_cache_dtype="float32")
 
 
 def test_continuous_batch_with_chunked_prefill_matches_hf(llm: LLM, model_path) -> None:

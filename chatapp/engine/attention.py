@@ -135,8 +135,9 @@ class TorchAttentionBackend:
         hkv, g = self.num_kv_heads, self.group
         # int64 index_select: advanced indexing with int32 indices takes a slow path on the CPU.
         flat_tables = tables.reshape(-1)
-        keys = k_cache.index_select(0, flat_tables).view(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_cache.index_select(0, flat_tables).view(b, -1, hkv, d).transpose(1, 2)
+        # A float16 cache under a float32 model is widened here (exactly) for SDPA.
+        keys = k_cache.index_select(0, flat_tables).view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+        values = v_cache.index_select(0, flat_tables).view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
         qg = q.view(b, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, d)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
         return o.view(b, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, h, d)
@@ -145,5 +146,5 @@ class TorchAttentionBackend:
 def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            slot_mapping: torch.Tensor) -> None:
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

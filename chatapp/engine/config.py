@@ -42,7 +42,12 @@ class EngineConfig:
     block_size: int = 16
     """Tokens per KV cache block."""
     kv_cache_memory_gib: float | None = None
-    """CPU: the KV pool's memory budget. None: 5% of the machine's RAM, between 0.25 and 1.5 GiB."""
+    """CPU: the most memory the KV pool may take. None: what the work needs, KV_CONTEXTS full contexts
+    (max_model_len tokens each), held to a share of the memory left beside the weights. Either way
+    the pool is committed as blocks are first written, so an idle engine holds little of it."""
+    kv_cache_dtype: str = "auto"
+    """auto (float16 on the CPU, the model's dtype on a GPU), float16, bfloat16 or float32 (what the
+    Hugging Face equivalence tests use: bit for bit the model's own keys and values)."""
     gpu_memory_utilization: float = 0.9
     """GPU: the share of device memory the engine may use (weights, activations and KV pool)."""
     num_kv_blocks: int | None = None
@@ -99,6 +104,11 @@ class EngineConfig:
 
         return getattr(torch, _DTYPES[self.dtype])
 
+    def torch_kv_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, _DTYPES[self.kv_cache_dtype])
+
     def finalize(self, *, checkpoint_dtype: "torch.dtype | None", model_max_len: int) -> "EngineConfig":
         """Return a copy with every "auto"/None field chosen from the model and machine."""
         cfg = dataclasses.replace(self)
@@ -115,11 +125,9 @@ class EngineConfig:
         if cfg.long_prefill_token_threshold is None:
             cfg.long_prefill_token_threshold = cfg.max_num_batched_tokens
         cfg.max_model_len = min(cfg.max_model_len or model_max_len, model_max_len)
-        if cfg.kv_cache_memory_gib is None and not on_gpu:
-            total_gib = psutil.virtual_memory().total / 2**30
-            # 1.2 GiB on this 24 GiB machine: ~27k tokens of SmolLM2 (float32 KV), enough for
-            # a dozen long chats at once without taking memory the user will miss.
-            cfg.kv_cache_memory_gib = round(max(0.25, min(1.5, 0.05 * total_gib)), 2)
+        if cfg.kv_cache_memory_gib is not None and not cfg.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be more than 0, got {cfg.kv_cache_memory_gib}")
+        cfg.kv_cache_dtype = _resolve_kv_dtype(cfg.kv_cache_dtype, cfg.device, cfg.dtype, cfg.attention_backend)
         if cfg.num_threads is None:
             cfg.num_threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
         if cfg.quantization in ("none", ""):
@@ -163,6 +171,17 @@ def _resolve_dtype(dtype: str, device: str, checkpoint_dtype: "torch.dtype | Non
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(dtype, dtype)
+
+
+def _resolve_kv_dtype(kv_dtype: str, device: str, dtype: str, backend: str) -> str:
+    """Half the bytes of float32 on the CPU: the cache is the memory that grows with every chat, and
+    decode reads all of it each step. Our CPU attention widens halves exactly, so only the stored
+    keys and values are rounded (benchmarks/quality.py measures the effect)."""
+    if kv_dtype == "auto":
+        return "float16" if device == "cpu" and backend == "torch" else dtype
+    if kv_dtype not in _DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, float16, bfloat16 or float32, got {kv_dtype!r}")
+    return _DTYPES[kv_dtype]
 
 
 def _resolve_backend(backend: str, device: str) -> str:

@@ -10,6 +10,7 @@ so the LM head runs on those rows alone.
 from __future__ import annotations
 
 import logging
+import mmap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,11 @@ SINGLE_THREAD_BELOW_ATTENTION = 32_768  # sum over requests of new tokens x cont
 
 # Beyond weights and KV cache: the interpreter, torch, activations of a step and the allocator's slack.
 WORKING_MEMORY_BYTES = 512 * 2**20
+
+# The default KV pool (CPU): this many full contexts (several chats, or one chat and the server)...
+KV_CONTEXTS = 4
+# ...held to this share of the memory left once the weights and working memory are counted.
+KV_SHARE_OF_FREE = 0.5
 
 
 class ModelTooLargeError(ValueError):
@@ -82,8 +88,9 @@ class ModelRunner:
         ext = self._cpu_extension()
         self.block_size = config.block_size
         if self.device.type == "cpu":
-            self.num_blocks = self._choose_num_blocks()
-            check_fits(self._weight_bytes(source, ext), self.num_blocks * self.bytes_per_block(), self.mc)
+            weight_bytes = self._weight_bytes(source, ext)
+            self.num_blocks = self._choose_num_blocks(weight_bytes)
+            check_fits(weight_bytes, self.num_blocks * self.bytes_per_block(), self.mc)
         start = time.perf_counter()
         self.model = self._load(source, ext)
         log.info("loaded %s weights in %.2f s", self.mc.architecture, time.perf_counter() - start)
@@ -149,16 +156,29 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         mc = self.mc
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.config.torch_kv_dtype()).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
-    def _choose_num_blocks(self) -> int:
+    def _choose_num_blocks(self, weight_bytes: int = 0) -> int:
+        """The pool's size: forced, profiled (GPU), the user's cap, or sized to the work (CPU).
+
+        Sized to the work: KV_CONTEXTS contexts of max_model_len tokens, held to KV_SHARE_OF_FREE of
+        the memory left beside the weights (a 128k-token model gets the context that fits, which
+        EngineCore then takes as its max_model_len), and never below one block.
+        """
+        import psutil
+
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if self.device.type == "cuda":
             return self._profile_gpu_blocks()
-        return max(1, int(cfg.kv_cache_memory_gib * 2**30) // self.bytes_per_block())
+        per_block = self.bytes_per_block()
+        if cfg.kv_cache_memory_gib is not None:
+            return max(1, int(cfg.kv_cache_memory_gib * 2**30) // per_block)
+        wanted = KV_CONTEXTS * -(-cfg.max_model_len // self.block_size)
+        spare = psutil.virtual_memory().available - weight_bytes - WORKING_MEMORY_BYTES
+        return max(1, min(wanted, int(spare * KV_SHARE_OF_FREE) // per_block))
 
     def _profile_gpu_blocks(self) -> int:
         """Run a worst-case forward, then give the KV pool what memory is left."""
@@ -198,9 +218,11 @@ class ModelRunner:
         block_size] instead, so 16 keys of a block sit side by side for a decode's vector loads.
         """
         mc = self.mc
+        shape = (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        dtype = self.config.torch_kv_dtype()
         # Zeroed, not empty: padded key positions are masked, but 0 * NaN would still poison them.
-        pool = torch.zeros(mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim,
-                           dtype=self.dtype, device=self.device)
+        pool = _untouched_zeros(shape, dtype) if self.device.type == "cpu" else torch.zeros(
+            shape, dtype=dtype, device=self.device)
         caches = [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
         if transposed_keys:
             shape = (num_blocks, mc.num_kv_heads, mc.head_dim, self.block_size)
@@ -363,3 +385,18 @@ class _PreparedStep:
     meta: AttentionMetadata
     sample_rows: list[int]
     logits_indices: torch.Tensor
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory is committed only where it is first written.
+
+    Anonymous mappings read as zero and take no memory until a page is written, so a KV pool sized
+    for several long chats costs what the chats so far have filled, growing to its size with use
+    (torch.zeros would write, and so commit, every page at start-up).
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = max(numel * torch.tensor([], dtype=dtype).element_size(), 1)
+    buffer = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                             f"default ${API_KEY_ENV}, else none")
     serve.add_argument("--cors-origin", dest="cors_origins", action="extend", nargs="+", default=[],
                        metavar="ORIGIN", help="allow browser pages from ORIGIN (repeatable; default: no CORS)")
+    from chatapp.cli import add_engine_options
+
+    add_engine_options(serve, default=argparse.SUPPRESS)  # as --model: the top-level value survives
     serve.set_defaults(handler=run)
 
 
@@ -49,7 +52,14 @@ async def _serve(args: argparse.Namespace) -> int:
     from chatapp.engine.config import EngineConfig
     from chatapp.server.run import start_server
 
-    client = AsyncEngineClient(EngineConfig(model=getattr(args, "model", None)))
+    from chatapp.settings import load_or_default
+
+    settings, error = load_or_default()
+    if error is not None:
+        print(f"chatapp serve: {error} (running on the defaults)", file=sys.stderr)
+    options = settings.engine.options(max_model_len=getattr(args, "max_model_len", None),
+                                      kv_cache_memory_gib=getattr(args, "kv_cache_gib", None))
+    client = AsyncEngineClient(EngineConfig(model=getattr(args, "model", None) or settings.default_model, **options))
     client.add_state_listener(lambda state, detail: print(f"engine: {state}{': ' + detail if detail else ''}",
                                                           file=sys.stderr, flush=True))
     try:

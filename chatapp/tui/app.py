@@ -46,15 +46,15 @@ POLL_S = 1.0
 """How often the status bar asks the engine for its counters."""
 
 
-def default_engine_factory(model: str | None, kv_cache_memory_gib: float | None) -> EngineFactory:
-    """Attach to (or start) the shared background engine process."""
+def default_engine_factory(model: str | None, options: dict[str, Any]) -> EngineFactory:
+    """Attach to (or start) the shared background engine process; ``options`` are EngineConfig fields."""
 
     async def factory() -> EngineClient:
         from chatapp.engine.client import AsyncEngineClient
         from chatapp.engine.config import EngineConfig
 
         # Not started here: LocalEngine starts it, so the status bar sees it load.
-        return AsyncEngineClient(EngineConfig(model=model, kv_cache_memory_gib=kv_cache_memory_gib))
+        return AsyncEngineClient(EngineConfig(model=model, **options))
 
     return factory
 
@@ -69,7 +69,7 @@ class ChatApp(App[None]):
     def __init__(self, *, settings_path: Path | None = None, history_path: Path | None = None,
                  engine_factory: EngineFactory | None = None, catalog: ModelCatalog | None = None,
                  model: str | None = None, session_sampling: dict[str, Any] | None = None,
-                 use_default_engine: bool = True) -> None:
+                 use_default_engine: bool = True, engine_options: dict[str, Any] | None = None) -> None:
         """
         Args:
             settings_path / history_path: the files to use (default: the user's).
@@ -78,6 +78,7 @@ class ChatApp(App[None]):
             model: the model to start the engine with (overrides settings' default_model).
             session_sampling: sampling for new sessions (default: DEFAULT_SAMPLING).
             use_default_engine: False (with no factory) runs with no local engine: remote sessions only.
+            engine_options: EngineConfig fields from the command line, over settings' [engine].
         """
         super().__init__()
         self.settings_path = settings_path
@@ -87,7 +88,7 @@ class ChatApp(App[None]):
         self.session_sampling = dict(session_sampling if session_sampling is not None else DEFAULT_SAMPLING)
         if engine_factory is None and use_default_engine:
             engine_factory = default_engine_factory(model or self.settings.default_model,
-                                                    self.settings.engine.kv_cache_memory_gib)
+                                                    self.settings.engine.options(**(engine_options or {})))
         self.engine = LocalEngine(engine_factory)
         self.store: HistoryStore | None = None
         self.recorder = Recorder(None, self._history_failed)
@@ -277,8 +278,7 @@ class ChatApp(App[None]):
                         severity="error", timeout=15)
             return
         notes = []
-        if (old.engine.kv_cache_memory_gib != new.engine.kv_cache_memory_gib
-                or old.default_model != new.default_model):
+        if old.engine != new.engine or old.default_model != new.default_model:
             notes.append("model and memory changes apply when the engine next starts")
         if self._server is not None and (old.server != new.server):
             notes.append("restart the API port (toggle it off and on) to use the new address")
@@ -454,5 +454,7 @@ class ChatApp(App[None]):
 def run(args: argparse.Namespace | None = None) -> int:
     """Entry point of `chatapp` with no subcommand."""
     model = getattr(args, "model", None) if args is not None else None
-    ChatApp(model=model).run()
+    options = {"max_model_len": getattr(args, "max_model_len", None),
+               "kv_cache_memory_gib": getattr(args, "kv_cache_gib", None)}
+    ChatApp(model=model, engine_options=options).run()
     return 0

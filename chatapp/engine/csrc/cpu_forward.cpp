@@ -97,21 +97,32 @@ void rope(at::Tensor& qkv, int64_t heads, int64_t d, const at::Tensor& cos, cons
 
 // Copy each token's key and value heads into its cache slot; keys go transposed within their block
 // ([block][kv_head][dim][slot], see paged_attention_cpu.cpp), values as they are.
-void store_kv(const at::Tensor& qkv, int64_t k_offset, at::Tensor& k_cache_t, at::Tensor& v_cache,
-              const at::Tensor& slots) {
+template <typename T>
+void store_kv_typed(const at::Tensor& qkv, int64_t k_offset, at::Tensor& k_cache_t, at::Tensor& v_cache,
+                    const at::Tensor& slots) {
   const int64_t rows = qkv.size(0), stride = qkv.stride(0);
   const int64_t hkv = k_cache_t.size(1), d = k_cache_t.size(2), bs = k_cache_t.size(3), kv_size = hkv * d;
   const float* base = qkv.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  float* kc = k_cache_t.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  T* kc = k_cache_t.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
   for (int64_t r = 0; r < rows; ++r) {
     if (sp[r] < 0) continue;
     const float* src = base + r * stride + k_offset;
-    float* key_block = kc + (sp[r] / bs) * kv_size * bs + sp[r] % bs;
-    for (int64_t i = 0; i < kv_size; ++i) key_block[i * bs] = src[i];  // i = head * d + dim
-    std::copy(src + kv_size, src + 2 * kv_size, vc + sp[r] * kv_size);
+    T* key_block = kc + (sp[r] / bs) * kv_size * bs + sp[r] % bs;
+    for (int64_t i = 0; i < kv_size; ++i) narrow_to(src[i], key_block + i * bs);  // i = head * d + dim
+    T* value = vc + sp[r] * kv_size;
+    for (int64_t i = 0; i < kv_size; ++i) narrow_to(src[kv_size + i], value + i);
   }
+}
+
+// The step's new keys and values into their cache slots (float32 or float16 cache).
+void store_kv(const at::Tensor& qkv, int64_t k_offset, at::Tensor& k_cache_t, at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  if (k_cache_t.scalar_type() == at::kHalf)
+    store_kv_typed<c10::Half>(qkv, k_offset, k_cache_t, v_cache, slots);
+  else
+    store_kv_typed<float>(qkv, k_offset, k_cache_t, v_cache, slots);
 }
 
 // silu(gate) * up for gate_up = [gate | up] per row; silu(x) = x / (1 + exp(-x)).
@@ -321,7 +332,7 @@ class CpuModel {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU, float32)");
+  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU; float32 or float16 cache)");
   m.def("block_linear", &block_linear, "x @ W^T with W in a packed block-quantized kind (CPU, float32)",
         py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("portable") = false);

@@ -14,6 +14,10 @@
 // length alone; every output is a chain of fused multiply-adds over positions in
 // order. How rows are grouped into tiles changes which rows share a load, never a
 // row's arithmetic. Built with -ffp-contract=off, so the compiler fuses nothing.
+//
+// The cache holds float32 or float16 (the CPU default: half the memory and half the bytes read per
+// decode). Half values are widened exactly on load, so the arithmetic above is the same either way;
+// only what was stored was rounded once.
 #include "paged_attention_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -33,11 +37,12 @@ struct Task {
   int64_t request, kv_head, first_vector, num_vectors;
 };
 
-// Ask for `count` runs of `floats` floats, `stride` floats apart, one cache line at a time.
-inline void prefetch_lines(const float* p, int64_t floats, int64_t count, int64_t stride = 0) {
-  constexpr int64_t kLine = 64 / sizeof(float);
+// Ask for `count` runs of `n` elements, `stride` elements apart, one cache line at a time.
+template <typename T>
+inline void prefetch_lines(const T* p, int64_t n, int64_t count, int64_t stride = 0) {
+  constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t i = 0; i < count; ++i)
-    for (int64_t f = 0; f < floats; f += kLine) __builtin_prefetch(p + i * stride + f);
+    for (int64_t f = 0; f < n; f += kLine) __builtin_prefetch(p + i * stride + f);
 }
 
 struct Geometry {
@@ -45,13 +50,13 @@ struct Geometry {
 };
 
 // Scores of NV rows against the 16 keys of one block starting at `base` (transposed cache).
-template <int NV>
-inline void keys_chunk(const float* base, const Geometry& g, const float* const* qrow, const int64_t* last,
+template <int NV, typename T>
+inline void keys_chunk(const T* base, const Geometry& g, const float* const* qrow, const int64_t* last,
                        int64_t start, float scale, float* scores, int64_t stride) {
   v16 s[NV];
   for (int l = 0; l < NV; ++l) s[l] = splat(0.f);
   for (int64_t d = 0; d < g.D; ++d) {
-    const v16 k = load(base + d * g.bs);  // one read of 16 keys serves every row
+    const v16 k = load_wide(base + d * g.bs);  // one read of 16 keys serves every row
     for (int l = 0; l < NV; ++l) s[l] = fmadd(splat(qrow[l][d]), k, s[l]);
   }
   for (int l = 0; l < NV; ++l)
@@ -60,7 +65,8 @@ inline void keys_chunk(const float* base, const Geometry& g, const float* const*
 
 // Scores of a tile's query rows, 16 keys per vector: keys of one block sit side by side in the
 // transposed cache. scores[l * stride + pos] for pos <= last[l] (later entries are scratch).
-void scores_keys_in_lanes(const float* kt, const int32_t* table, int64_t kv_head, const Geometry& g,
+template <typename T>
+void scores_keys_in_lanes(const T* kt, const int32_t* table, int64_t kv_head, const Geometry& g,
                           const float* const* qrow, const int64_t* last, int64_t nv, float scale, float* scores,
                           int64_t stride) {
   int64_t num_keys = 0;
@@ -69,7 +75,7 @@ void scores_keys_in_lanes(const float* kt, const int32_t* table, int64_t kv_head
   for (int64_t start = 0; start < num_keys; start += kLanes) {
     if (full) {
       const int64_t block = table[start / g.bs], offset = start % g.bs;
-      const float* base = kt + ((block * g.Hkv + kv_head) * g.D) * g.bs + offset;
+      const T* base = kt + ((block * g.Hkv + kv_head) * g.D) * g.bs + offset;
       for (int64_t ahead = start == 0 ? 1 : kPrefetchBlocks; offset == 0 && ahead <= kPrefetchBlocks; ++ahead)
         if (start + ahead * g.bs < num_keys)  // blocks sit anywhere: fetch the coming ones' keys early
           prefetch_lines(kt + ((static_cast<int64_t>(table[start / g.bs + ahead]) * g.Hkv + kv_head) * g.D) * g.bs,
@@ -94,10 +100,10 @@ void scores_keys_in_lanes(const float* kt, const int32_t* table, int64_t kv_head
     for (int64_t l = 0; l < nv; ++l) {  // small blocks: the same chain, one key at a time
       const float* q = qrow[l];
       for (int64_t pos = start; pos < std::min(start + kLanes, last[l] + 1); ++pos) {
-        const float* k = kt + ((static_cast<int64_t>(table[pos / g.bs]) * g.Hkv + kv_head) * g.D) * g.bs +
-                         pos % g.bs;
+        const T* k = kt + ((static_cast<int64_t>(table[pos / g.bs]) * g.Hkv + kv_head) * g.D) * g.bs +
+                     pos % g.bs;
         float s = 0.f;
-        for (int64_t d = 0; d < g.D; ++d) s = fmadd(q[d], k[d * g.bs], s);
+        for (int64_t d = 0; d < g.D; ++d) s = fmadd(q[d], widen(k[d * g.bs]), s);
         scores[l * stride + pos] = s * scale;
       }
     }
@@ -138,8 +144,8 @@ void softmax_row(float* s, int64_t n) {
 
 // out_r = sum over p <= last_r, in position order, of w_r[p] * v_p, for a few rows sharing each read
 // of v_p (R rows x C vectors of accumulators in registers). Each row's chain is the single-row one.
-template <int C, int R>
-void weighted_values(float* const* w, const int64_t* last, int nr, const float* vp, const int32_t* table,
+template <int C, int R, typename T>
+void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, const int32_t* table,
                      int64_t kv_head, const Geometry& g, float* const* out) {
   const int64_t row = g.Hkv * g.D;
   auto value_at = [&](int64_t p) {
@@ -149,8 +155,8 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const float* 
     for (int r = 0; r < nr; ++r) {
       std::fill(out[r], out[r] + g.D, 0.f);
       for (int64_t p = 0; p <= last[r]; ++p) {
-        const float* value = value_at(p);
-        for (int64_t d = 0; d < g.D; ++d) out[r][d] = fmadd(w[r][p], value[d], out[r][d]);
+        const T* value = value_at(p);
+        for (int64_t d = 0; d < g.D; ++d) out[r][d] = fmadd(w[r][p], widen(value[d]), out[r][d]);
       }
     }
   } else {
@@ -160,7 +166,7 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const float* 
     int64_t end = 0;
     for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1);
     for (int64_t first = 0; first < end; first += g.bs) {  // block by block: no division per position
-      const float* slot0 = vp + static_cast<int64_t>(table[first / g.bs]) * g.bs * row + kv_head * g.D;
+      const T* slot0 = vp + static_cast<int64_t>(table[first / g.bs]) * g.bs * row + kv_head * g.D;
       const int64_t n = std::min(g.bs, end - first);
       for (int64_t ahead = first == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
         if (first + ahead * g.bs < end)  // the coming blocks' values of this head, fetched early
@@ -168,9 +174,9 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const float* 
                          g.bs, row);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t p = first + j;
-        const float* value = slot0 + j * row;
+        const T* value = slot0 + j * row;
         v16 v[C];
-        for (int c = 0; c < C; ++c) v[c] = load(value + c * kLanes);
+        for (int c = 0; c < C; ++c) v[c] = load_wide(value + c * kLanes);
         for (int r = 0; r < nr; ++r) {
           if (p > last[r]) continue;
           const v16 wr = splat(w[r][p]);
@@ -183,14 +189,14 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const float* 
   }
 }
 
-}  // namespace
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_cache,
-                              torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
-                              double scale) {
+template <typename T>
+torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_cache, torch::Tensor query_start_loc,
+                     torch::Tensor seq_lens, torch::Tensor block_tables, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache_t.dim() == 4 && v_cache.dim() == 4, "bad shapes");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache_t.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (k_cache_t.scalar_type() == at::kFloat ||
+                                                 k_cache_t.scalar_type() == at::kHalf),
+              "float32 queries; a float32 or float16 cache");
   TORCH_CHECK(k_cache_t.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   block_tables.scalar_type() == at::kInt, "int32 metadata");
@@ -218,8 +224,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache_t, torch::T
   }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* ktp = k_cache_t.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* ktp = k_cache_t.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
@@ -266,4 +272,15 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache_t, torch::T
     }
   });
   return out;
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_cache,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                              double scale) {
+  TORCH_CHECK(k_cache_t.scalar_type() == v_cache.scalar_type(), "keys and values must share a type");
+  if (k_cache_t.scalar_type() == at::kHalf)
+    return attend<c10::Half>(q, k_cache_t, v_cache, query_start_loc, seq_lens, block_tables, scale);
+  return attend<float>(q, k_cache_t, v_cache, query_start_loc, seq_lens, block_tables, scale);
 }

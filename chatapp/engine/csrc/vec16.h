@@ -2,6 +2,7 @@
 // 16-float GCC vector helpers shared by our CPU kernels. Built with -ffp-contract=off,
 // so every lane rounds exactly like scalar code would: results never depend on
 // which lane or which tile a value was computed in.
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -85,3 +86,24 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+// Cache values, float32 or float16, as float32: exact either way (every half is a float).
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline v16 load_wide(const float* p) { return load(p); }
+inline v16 load_wide(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v16 out;
+  __builtin_memcpy(&out, &x, sizeof(out));
+  return out;
+#else
+  v16 out;
+  for (int i = 0; i < kLanes; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+#endif
+}
+
+// float32 -> cache type, rounded to nearest even for halves (the one rounding a half cache adds).
+inline void narrow_to(float x, float* dst) { *dst = x; }
+inline void narrow_to(float x, c10::Half* dst) { *dst = c10::Half(x); }

@@ -35,9 +35,15 @@ class SettingsScreen(ModalScreen[Settings | None]):
             yield Label("Theme")
             themes = sorted(set(self._themes) | {s.theme})
             yield Select([(t, t) for t in themes], value=s.theme, allow_blank=False, id="theme")
-            yield Label("Engine KV cache memory in GiB (blank: automatic; applies on the next engine start)")
-            yield Input("" if s.engine.kv_cache_memory_gib is None else str(s.engine.kv_cache_memory_gib),
-                        id="kv-gib")
+            yield Label("Engine (applies on the next engine start)")
+            with Horizontal(classes="fields"):
+                with Vertical(classes="field"):
+                    yield Label("Context in tokens (blank: the model's)")
+                    yield Input("" if s.engine.max_model_len is None else str(s.engine.max_model_len), id="context")
+                with Vertical(classes="field"):
+                    yield Label("KV cache cap in GiB (blank: sized to the context)")
+                    yield Input("" if s.engine.kv_cache_memory_gib is None else str(s.engine.kv_cache_memory_gib),
+                                id="kv-gib")
             with Horizontal(classes="fields"):
                 with Vertical(classes="field"):
                     yield Label("API host")
@@ -67,10 +73,14 @@ class SettingsScreen(ModalScreen[Settings | None]):
             raise ValueError(f"engine memory must be a number of GiB, got {kv!r}") from None
         if not port.isdigit():
             raise ValueError(f"the API port must be a whole number, got {port!r}")
+        context = self._value("#context")
+        if context and not context.isdigit():
+            raise ValueError(f"the context must be a whole number of tokens, got {context!r}")
         try:
             new.default_model = self._value("#default-model") or None
             new.theme = str(self.query_one("#theme", Select).value)
             new.engine.kv_cache_memory_gib = kv_gib
+            new.engine.max_model_len = int(context) if context else None
             new.server.host = self._value("#host")
             new.server.port = int(port)
             new.server.api_key = self._value("#api-key") or None

@@ -1,0 +1,150 @@
+"""Memory and start-up against llama-server, same file and context, one run.
+
+For each server, one at a time (never two competing for the cores):
+- warm start: launch to the first 200 from /health, best of ``--repeat`` launches (everything
+  already cached: the page cache holds the file, our kernels are built, the tokenizer cached);
+- first start (ours only): the same with a fresh, empty cache directory (CHATAPP_CACHE_DIR), as on
+  a new machine after `pip install` (the C++ kernels are built at install, not here);
+- memory: after the start and one short chat completion, the RSS of the server's whole process
+  tree (ours: `chatapp serve` and the engine process it started; the engine's RSS alone too),
+  summed as the kernel reports it per process (shared pages count in each: the figure is not
+  flattering to us).
+
+    LLAMA_SERVER=.../llama-server python benchmarks/footprint.py [FILE.gguf] --ctx 8192
+
+Without a file: the bundled model. IK_LLAMA_SERVER adds ik_llama.cpp's server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=2) as resp:
+        return resp.status
+
+
+def _chat(port: int) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        resp.read()
+
+
+def _tree_rss(proc: psutil.Process) -> tuple[int, dict[str, int]]:
+    parts = {}
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            name = " ".join(p.cmdline()[1:3]) or p.name()
+            parts[f"{p.pid} {name}"] = p.memory_info().rss
+        except psutil.Error:
+            pass
+    return sum(parts.values()), parts
+
+
+def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool) -> dict:
+    """Start, wait for /health, optionally chat once and read the tree's RSS, then stop."""
+    start = time.perf_counter()
+    popen = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out: dict = {}
+    try:
+        while True:
+            if time.perf_counter() - start > 600 or popen.poll() is not None:
+                return {"start_s": float("nan")}
+            try:
+                if _get(f"http://127.0.0.1:{port}/health") == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.02)
+        out["start_s"] = time.perf_counter() - start
+        if measure:
+            _chat(port)
+            time.sleep(0.5)
+            out["rss_bytes"], out["rss_parts"] = _tree_rss(psutil.Process(popen.pid))
+        return out
+    finally:
+        children = psutil.Process(popen.pid).children(recursive=True)
+        popen.terminate()
+        try:
+            popen.wait(30)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+        psutil.wait_procs(children, timeout=30)
+
+
+def measure(name: str, make_cmd, env: dict[str, str], repeat: int) -> dict:
+    runs = [run_server(make_cmd(port := free_port()), port, env, measure=(i == 0)) for i in range(repeat)]
+    best = min(r["start_s"] for r in runs)
+    row = {"warm_start_s": best, "rss_bytes": runs[0].get("rss_bytes"), "rss_parts": runs[0].get("rss_parts")}
+    print(f"{name}: warm start {best:.2f} s (best of {repeat}), RSS after one chat "
+          f"{(row['rss_bytes'] or 0) / 2**20:.0f} MiB {row['rss_parts']}", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", nargs="?", help="a GGUF file (default: the bundled model)")
+    parser.add_argument("--ctx", type=int, default=8192, help="context length given to every server")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    if args.file is None:
+        from chatapp.store import bundled_gguf_path
+
+        args.file = str(bundled_gguf_path())
+    rows: dict[str, dict] = {}
+    env = {**os.environ, "CHATAPP_RUNTIME_DIR": tempfile.mkdtemp()}
+
+    def ours(port: int) -> list[str]:
+        return [sys.executable, "-m", "chatapp", "serve", "--model", args.file, "--port", str(port),
+                "--max-model-len", str(args.ctx)]
+
+    # A first run warms the page cache and our caches; it is not counted.
+    run_server(ours(port := free_port()), port, env, measure=False)
+    rows["ours"] = measure("ours", ours, env, args.repeat)
+    with tempfile.TemporaryDirectory() as cache:
+        fresh = run_server(ours(port := free_port()), port, {**env, "CHATAPP_CACHE_DIR": cache}, measure=False)
+    rows["ours"]["first_start_s"] = fresh["start_s"]
+    print(f"ours: first start on an empty cache directory {fresh['start_s']:.2f} s", flush=True)
+    for name, var in (("llama.cpp", "LLAMA_SERVER"), ("ik_llama.cpp", "IK_LLAMA_SERVER")):
+        if binary := os.environ.get(var):
+            rows[name] = measure(name, lambda port, b=binary: [b, "-m", args.file, "-c", str(args.ctx), "-t",
+                                                              str(args.threads), "--port", str(port), "-fa", "on"],
+                                 dict(os.environ), args.repeat)
+    base = [r for n, r in rows.items() if n != "ours" and r.get("rss_bytes")]
+    if base:
+        lean = min(base, key=lambda r: r["rss_bytes"])
+        fast = min(base, key=lambda r: r["warm_start_s"])
+        mine = rows["ours"]
+        print(f"\nRSS ours / leanest baseline: {mine['rss_bytes'] / lean['rss_bytes']:.2f}x; "
+              f"warm start ours / fastest baseline: {mine['warm_start_s'] / fast['warm_start_s']:.1f}x "
+              f"({mine['warm_start_s']:.2f} s vs {fast['warm_start_s']:.2f} s); "
+              f"first start / warm start: {mine['first_start_s'] / mine['warm_start_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
