@@ -63,7 +63,9 @@ def make_tiny_model(
 
 def save_bundled_tokenizer(path: Path) -> None:
     """The bundled model's tokenizer files (tokenizer.json, chat template, ...) into ``path``."""
-    from chatapp.engine.tokenizer import load_hf_tokenizer
+    import shutil
+
+    from chatapp.engine.tokenizer import prepare_tokenizer_files
     from chatapp.store import bundled_gguf_path
 
-    load_hf_tokenizer(bundled_gguf_path()).save_pretrained(str(path))
+    shutil.copytree(prepare_tokenizer_files(bundled_gguf_path()), path, dirs_exist_ok=True)

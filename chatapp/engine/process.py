@@ -39,6 +39,7 @@ from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
 from chatapp.engine.outputs import EngineCoreOutput
 from chatapp.engine.stream_buffer import StreamBuffer
+from chatapp.engine.tokenizer import prepare_tokenizer_files
 
 log = logging.getLogger("chatapp.engine.process")
 
@@ -70,7 +71,11 @@ class _Loader(threading.Thread):
     def run(self) -> None:
         logging.getLogger("chatapp").addHandler(self._handler)
         try:
-            self.core = EngineCore(self.config)
+            core = EngineCore(self.config)
+            # Built once per GGUF file (transformers, here where torch is loaded anyway), so the
+            # clients that attach load only tokenizer.json and the template.
+            prepare_tokenizer_files(core.model.path)
+            self.core = core
         except BaseException as exc:  # reported to the clients by the loop, never lost
             log.exception("loading the model failed")
             self.error = exc

@@ -11,6 +11,7 @@ back as history.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from collections import OrderedDict
@@ -65,36 +66,110 @@ def gguf_tokenizer_cache(gguf: Path) -> Path:
 
 
 def load_hf_tokenizer(path: Path):
-    """A model directory's tokenizer, or a GGUF file's (built by transformers once, then cached).
+    """A model directory's or GGUF file's tokenizer as transformers builds it (imports torch: ~1 s).
 
-    Why a cache: building a tokenizer from a GGUF file parses its whole vocabulary (seconds for
-    a 128k one); the saved files load in a fraction of that. Only the tokenizer is kept: weights
-    are always read from the file itself.
+    Used once per GGUF file to write its tokenizer files (prepare_tokenizer_files), and by tests as
+    the reference our own TextTokenizer is held to.
     """
-    from transformers import AutoTokenizer  # here, not at import: clients load it while the engine starts
+    from transformers import AutoTokenizer
 
     if not is_gguf_path(path):
         return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def prepare_tokenizer_files(path: Path) -> Path:
+    """The directory with the model's tokenizer.json and tokenizer_config.json, building them once.
+
+    A model directory usually has them; a GGUF file's (and a directory with only a slow,
+    SentencePiece tokenizer) are built by transformers once and kept in the cache directory. The
+    engine calls this while it loads, so the clients that attach find them and stay light.
+    """
+    path = Path(path)
+    if not is_gguf_path(path) and (path / "tokenizer.json").exists():
+        return path
     cache = gguf_tokenizer_cache(path)
-    if (cache / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(str(cache))
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if (cache / "tokenizer.json").exists():
+        return cache
+    tokenizer = load_hf_tokenizer(path)
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
     try:
         tokenizer.save_pretrained(str(tmp))
+        if not (tmp / "tokenizer.json").exists():
+            raise ChatFormatError(f"the tokenizer of {path} has no fast (tokenizer.json) form")
+        shutil.rmtree(cache, ignore_errors=True)  # an earlier version's partial files
         os.replace(tmp, cache)
-    except OSError:
-        pass  # a read-only cache or a lost race: the tokenizer in hand still works
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return tokenizer
+    return cache
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class TextTokenizer:
+    """tokenizer.json through the `tokenizers` library, plus the config's special tokens and template.
+
+    What transformers' fast tokenizer does for encode, decode and apply_chat_template, without
+    importing transformers or torch (tests/test_tokenizer.py compares the two).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        self.backend = Backend.from_file(str(directory / "tokenizer.json"))
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        config_file = directory / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        jinja_file = directory / "chat_template.jinja"
+        if jinja_file.exists():
+            template = jinja_file.read_text(encoding="utf-8")
+        self.chat_template: str | None = template or None
+        # The named special tokens, as transformers hands them to templates (not the extra ones).
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+        self.special_tokens = {n: t for n in names if (t := _token_text(config.get(n))) is not None}
+        bpe = json.loads(self.backend.to_str()).get("model", {}).get("type") == "BPE"
+        # transformers skips this clean-up for BPE models (it strips real spaces before punctuation).
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces")) and not bpe
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if self._clean_up_spaces:
+            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(before, after)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        from chatapp.engine.chat_template import render_chat_template
+
+        if not self.chat_template:
+            raise ChatFormatError("this model has no chat template; use a plain completion prompt")
+        extra = {"tools": None, "documents": None, **extra}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    special_tokens=self.special_tokens, **extra)
 
 
 class Tokenizer:
-    """The model's Hugging Face tokenizer plus our chat rendering."""
+    """The model's tokenizer plus our chat rendering (tokenizers + Jinja: no torch in clients)."""
 
     def __init__(self, model_path: Path | str) -> None:
-        self.hf = load_hf_tokenizer(Path(model_path))
+        self.hf = TextTokenizer(prepare_tokenizer_files(Path(model_path)))
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
 
     @property
@@ -113,7 +188,7 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ChatFormatError("this model has no chat template; use a plain completion prompt")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # templates raise their own errors (e.g. "roles must alternate")
             raise ChatFormatError(f"the model's chat template rejected the conversation: {exc}") from exc
         ids: list[int] = []

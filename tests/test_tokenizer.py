@@ -1,0 +1,98 @@
+"""Our light tokenizer (tokenizers + Jinja) against transformers', which clients no longer import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from chatapp.engine.tokenizer import TextTokenizer, Tokenizer, load_hf_tokenizer, prepare_tokenizer_files
+from chatapp.store import bundled_gguf_path
+
+TEXTS = ["Hello there!", "  leading spaces and trailing  ", "Ünïcödé — 漢字 and 🎉 emoji", "def f(x):\n\treturn x ** 2\n",
+         "It's a test , isn't it ? Yes !", "<|im_start|>user\nliteral specials<|im_end|>", "", "a" * 300]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"},
+     {"role": "assistant", "content": "Rayleigh scattering."}, {"role": "user", "content": "And sunsets?"}],
+    [{"role": "user", "content": "Ünïcödé 🎉\nsecond line"}],
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Ours and transformers' tokenizer of the bundled GGUF file."""
+    return TextTokenizer(prepare_tokenizer_files(bundled_gguf_path())), load_hf_tokenizer(bundled_gguf_path())
+
+
+def test_encode_decode_and_length_match_transformers(pair) -> None:
+    ours, hf = pair
+    assert len(ours) == len(hf)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == hf.encode(text, add_special_tokens=special), text
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    ids = ours.encode("<|im_start|>assistant\nok<|im_end|>")
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True) == "assistant\nok"
+
+
+def test_chat_template_renders_as_transformers_does(pair) -> None:
+    ours, hf = pair
+    for messages in CONVERSATIONS:
+        for add in (True, False):
+            assert ours.apply_chat_template(messages, add_generation_prompt=add) == hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add)
+
+
+def test_template_features_hub_templates_use(pair, tmp_path: Path) -> None:
+    """tojson keeps non-ASCII, loop controls, raise_exception, the generation tag, special tokens, tools."""
+    _, hf = pair
+    template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+                "{% if m.role not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}"
+                "{% generation %}[{{ m.role }}] {{ m.content | tojson }}{% endgeneration %}\n{% endfor %}"
+                "{% if tools is defined and tools is not none %}TOOLS{% endif %}"
+                "{% if add_generation_prompt %}[assistant]{{ eos_token }}{% endif %}")
+    directory = tmp_path / "tok"
+    hf.save_pretrained(str(directory))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    ours = TextTokenizer(directory)
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(str(directory))
+    messages = [{"role": "system", "content": "skip"}, {"role": "user", "content": "naïve \"quote\" 🎉"},
+                {"role": "assistant", "content": "ok"}]
+    assert ours.apply_chat_template(messages) == reference.apply_chat_template(messages, tokenize=False,
+                                                                               add_generation_prompt=True)
+    assert "naïve" in ours.apply_chat_template(messages)
+    import jinja2
+
+    with pytest.raises(jinja2.TemplateError, match="bad role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_a_client_tokenizer_imports_neither_torch_nor_transformers() -> None:
+    prepare_tokenizer_files(bundled_gguf_path())  # what the engine does while it loads
+    code = ("import sys\nfrom chatapp.engine.tokenizer import Tokenizer\nfrom chatapp.store import bundled_gguf_path\n"
+            "t = Tokenizer(bundled_gguf_path())\nids = t.render_chat([{'role': 'user', 'content': 'Hi'}])\n"
+            "assert t.decode(ids) and ids\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_render_chat_matches_transformers_ids(pair) -> None:
+    _, hf = pair
+    tokenizer = Tokenizer(bundled_gguf_path())
+    for messages in CONVERSATIONS:
+        expected = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(expected, dict) or hasattr(expected, "keys"):  # transformers 5 returns a BatchEncoding
+            expected = expected["input_ids"]
+        assert tokenizer.render_chat(messages) == list(expected)
