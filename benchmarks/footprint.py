@@ -5,6 +5,8 @@ For each server, one at a time (never two competing for the cores):
   already cached: the page cache holds the file, our kernels are built, the tokenizer cached);
 - first start (ours only): the same with a fresh, empty cache directory (CHATAPP_CACHE_DIR), as on
   a new machine after `pip install` (the C++ kernels are built at install, not here);
+- the TUI: launch to its first screen, mounted and taking keys (headless, a fresh process; the
+  engine loads behind it, so this is what a user waits for before typing);
 - memory: after the start and one short chat completion, the RSS of the server's whole process
   tree (ours: `chatapp serve` and the engine process it started; the engine's RSS alone too),
   summed as the kernel reports it per process (shared pages count in each: the figure is not
@@ -96,6 +98,33 @@ def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool) ->
         psutil.wait_procs(children, timeout=30)
 
 
+_TUI_CHILD = """
+import asyncio, os, sys, tempfile
+from chatapp.tui.app import ChatApp
+async def main():
+    d = tempfile.mkdtemp()
+    app = ChatApp(settings_path=os.path.join(d, "s.toml"), history_path=os.path.join(d, "h.db"))
+    async with app.run_test() as pilot:
+        await pilot.press("h", "i")  # typing works
+        print("mounted", flush=True)
+        os._exit(0)  # the engine it started is left to idle out; the measurement ends here
+asyncio.run(main())
+"""
+
+
+def tui_first_screen(env: dict[str, str]) -> float:
+    runtime = tempfile.mkdtemp()  # its own engine, stopped below (never left loading beside a baseline)
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _TUI_CHILD], env={**env, "CHATAPP_RUNTIME_DIR": runtime},
+                         capture_output=True, text=True, timeout=120)
+    seconds = time.perf_counter() - start if "mounted" in out.stdout else float("nan")
+    engines = [p for p in psutil.process_iter(["cmdline"]) if runtime in " ".join(p.info["cmdline"] or [])]
+    for engine in engines:
+        engine.terminate()
+    psutil.wait_procs(engines, timeout=30)
+    return seconds
+
+
 def measure(name: str, make_cmd, env: dict[str, str], repeat: int) -> dict:
     runs = [run_server(make_cmd(port := free_port()), port, env, measure=(i == 0)) for i in range(repeat)]
     best = min(r["start_s"] for r in runs)
@@ -129,6 +158,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         fresh = run_server(ours(port := free_port()), port, {**env, "CHATAPP_CACHE_DIR": cache}, measure=False)
     rows["ours"]["first_start_s"] = fresh["start_s"]
+    rows["ours"]["tui_first_screen_s"] = min(tui_first_screen(env) for _ in range(args.repeat))
+    print(f"ours: the TUI's first screen, taking keys, {rows['ours']['tui_first_screen_s']:.2f} s after launch "
+          f"(best of {args.repeat})", flush=True)
     print(f"ours: first start on an empty cache directory {fresh['start_s']:.2f} s", flush=True)
     for name, var in (("llama.cpp", "LLAMA_SERVER"), ("ik_llama.cpp", "IK_LLAMA_SERVER")):
         if binary := os.environ.get(var):

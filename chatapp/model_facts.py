@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 # GGUF `general.architecture` -> the Hugging Face class our engine runs for it (one map, the engine's).
-from chatapp.engine.models.gguf_file import GGUF_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +232,8 @@ def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:
     The Hub's model info carries the same keys for GGUF repos (`gguf`), so
     pre-download checks use this too.
     """
+    from chatapp.engine.models.gguf_file import GGUF_ARCHITECTURES  # here: it brings numpy (CLI start-up)
+
     family = summary.get("architecture")
     arch = GGUF_ARCHITECTURES.get(family or "")
     params = summary.get("parameters") or summary.get("total")

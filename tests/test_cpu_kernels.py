@@ -130,3 +130,25 @@ def test_cpp_layer_loop_and_python_model_generate_the_same_tokens(variant: str, 
         logits = teacher_forced_logits(int8, ids)
         assert float((logits.argmax(-1) == reference.argmax(-1)).float().mean()) > 0.8
         assert float((logits - reference).abs().max()) < 0.3 * float(reference.abs().max())
+
+
+def test_kernels_built_at_install_are_used_when_they_fit(ext, tmp_path, monkeypatch) -> None:
+    """CI installs the wheel in a fresh venv and sets CHATAPP_EXPECT_PREBUILT_KERNELS=1: there the
+    kernels must come from the install, not from a compile on first use."""
+    import json
+    import os
+
+    import chatapp
+
+    if os.environ.get("CHATAPP_EXPECT_PREBUILT_KERNELS") == "1":
+        assert cpu_kernels.source() == "install"
+        assert "site-packages" in chatapp.__file__  # the installed wheel, not the checkout
+    else:
+        assert cpu_kernels.source() in ("install", "cache")
+    # A build made for another CPU, source or torch is never imported.
+    from chatapp.engine import kernel_build
+
+    (tmp_path / f"{kernel_build.PREBUILT_NAME}.json").write_text(json.dumps({"key": "another-machine"}))
+    (tmp_path / f"{kernel_build.PREBUILT_NAME}.so").write_bytes(b"not a library")
+    monkeypatch.setattr(cpu_kernels, "PREBUILT_DIR", tmp_path)
+    assert cpu_kernels._prebuilt(kernel_build.build_key(torch.__version__)) is None

@@ -1,69 +1,86 @@
-"""Our C++ CPU code, compiled on first use and cached: paged attention, block-quantized
-linear layers and the layer loop.
+"""Our C++ CPU code: paged attention, block-quantized linear layers and the layer loop.
 
-They are optional: where no compiler is available (or CHATAPP_NO_CPU_KERNELS=1
-is set) the torch backend falls back to its pure-torch path, which computes
-the same results a little more slowly.
+Built at install time (setup.py, kernel_build.py) for this machine; when that build is missing or
+was made for another CPU, source or torch, it is compiled on first use into the cache directory
+(a minute or two, said in the log and the loading status). They are optional: where no compiler is
+available (or CHATAPP_NO_CPU_KERNELS=1 is set) the engine runs its torch path, which computes the
+same results more slowly.
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
+import json
 import logging
 import os
-import platform
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
+from chatapp.engine import kernel_build
+
 log = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in
-            ("paged_attention_cpu.cpp", "block_quant.cpp", "kquant.cpp", "gguf_repack.cpp", "cpu_forward.cpp")]
-# -ffp-contract=off: no fused multiply-adds, so vectorised and scalar loops round alike
-# (the kernel's results must not depend on how rows are tiled).
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+PREBUILT_DIR = Path(__file__).parent
+"""Where `pip install` puts its build (kernel_build.build_into)."""
 
 
 @lru_cache(maxsize=1)
 def load() -> ModuleType | None:
-    """The compiled extension, or None (logged once) when it cannot be built here."""
+    """The compiled extension, or None (said once, with why) when it cannot be built here."""
     if os.environ.get("CHATAPP_NO_CPU_KERNELS") == "1":
         return None
     try:
-        from torch.utils.cpp_extension import load as load_extension
+        import torch
 
-        from chatapp import paths
-
-        # Built with -march=native: key the build on the source, the flags and this machine's CPU.
-        cpu = platform.processor() + _cpu_flags()
-        key = "".join(p.read_text() for p in sorted(_CSRC.iterdir())) + " ".join(_CFLAGS) + cpu
-        tag = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
-        build_dir = paths.cache_dir() / "torch_extensions" / f"cpu_kernels_{tag}"
-        built = build_dir / f"chatapp_cpu_kernels_{tag}.so"
-        if built.exists():  # the key covers source, flags and CPU: import it without asking ninja (~1 s)
+        key = kernel_build.build_key(torch.__version__)
+        prebuilt = _prebuilt(key)
+        if prebuilt is not None:
+            return prebuilt
+        name = f"chatapp_cpu_kernels_{key}"
+        build_dir = _cache_build_dir(key)
+        built = build_dir / f"{name}.so"
+        if built.exists():  # the key covers source, flags, CPU and torch: import it without asking ninja
             try:
-                return _import_built(f"chatapp_cpu_kernels_{tag}", built)
+                return _import_built(name, built)
             except (ImportError, OSError) as exc:  # e.g. a link cut short: build it again
                 log.info("rebuilding the CPU kernels (%s)", exc)
-        build_dir.mkdir(parents=True, exist_ok=True)
-        return load_extension(
-            name=f"chatapp_cpu_kernels_{tag}",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        log.info("compiling chatapp's C++ CPU kernels for this machine (once; about a minute or two)")
+        return kernel_build.compile_extension(name, build_dir)
     except Exception as exc:  # no compiler, no headers, a sandbox: the torch path still works
-        log.warning("CPU attention kernels unavailable (%s); using the torch path", exc)
+        log.warning("chatapp's C++ CPU kernels could not be built (%s); running on the slower torch path",
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
         return None
 
 
-def _import_built(name: str, path: Path) -> ModuleType:
-    import importlib.util
+def _prebuilt(key: str) -> ModuleType | None:
+    """The install-time build, if it was made for this source, CPU and torch."""
+    so = PREBUILT_DIR / f"{kernel_build.PREBUILT_NAME}.so"
+    meta = PREBUILT_DIR / f"{kernel_build.PREBUILT_NAME}.json"
+    try:
+        if json.loads(meta.read_text()).get("key") != key:
+            log.info("the CPU kernels built at install are for another CPU, source or torch; not used")
+            return None
+        return _import_built(kernel_build.PREBUILT_NAME, so)
+    except (OSError, ValueError, ImportError):
+        return None
 
+
+def source() -> str:
+    """Where the loaded extension came from: "install", "cache" (compiled on first use) or "none"."""
+    module = load()
+    if module is None:
+        return "none"
+    return "install" if module.__name__ == kernel_build.PREBUILT_NAME else "cache"
+
+
+def _cache_build_dir(key: str) -> Path:
+    from chatapp import paths
+
+    return paths.cache_dir() / "torch_extensions" / f"cpu_kernels_{key}"
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
     import torch  # noqa: F401  the extension links against torch's libraries, loaded first
 
     spec = importlib.util.spec_from_file_location(name, path)
@@ -72,13 +89,3 @@ def _import_built(name: str, path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""

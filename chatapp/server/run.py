@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from chatapp.engine.api import EngineClient
 from chatapp.server.app import create_app
+from chatapp.server.exposure import exposure_warning, is_loopback  # noqa: F401  (re-exported)
 from chatapp.server.middleware import DEFAULT_MAX_BODY_BYTES
 from chatapp.server.state import ServerState
 
@@ -62,23 +63,6 @@ class ServerHandle:
     @property
     def running(self) -> bool:
         return not self._task.done()
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def exposure_warning(host: str, api_key: str | None) -> str | None:
-    """The warning to shout when the server is reachable from other machines without a key."""
-    if api_key or is_loopback(host):
-        return None
-    return (f"WARNING: serving on {host} WITHOUT an API key: anyone who can reach this machine can use "
-            f"the model. Pass --api-key KEY, or bind 127.0.0.1.")
 
 
 def _bind(host: str, port: int) -> socket.socket:

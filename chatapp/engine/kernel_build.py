@@ -1,0 +1,75 @@
+"""Compiling our C++ CPU kernels (csrc/): what is built, with which flags, and the key naming a build.
+
+Two callers: `pip install` (setup.py runs this file as a script, with the installing environment's
+torch, so the first `chatapp` starts at once) and cpu_kernels.load() at run time, which uses that
+build when its key matches this machine, source and torch, and otherwise compiles one into the
+cache directory. Standard library only at import: setup.py runs it by path, before chatapp is
+installed, under `python -I` (pip's isolated build environment hides the installed torch).
+
+    python chatapp/engine/kernel_build.py TARGET_DIR
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("paged_attention_cpu.cpp", "block_quant.cpp", "kquant.cpp", "gguf_repack.cpp", "cpu_forward.cpp")
+# -march=native: the machine's own vector units (AVX-512 VNNI where it has them); the key below
+# holds the CPU's flags, so a build never runs on a CPU it was not made for.
+# -ffp-contract=off: no fused multiply-adds, so vectorised and scalar loops round alike
+# (the kernel's results must not depend on how rows are tiled).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
+PREBUILT_NAME = "chatapp_cpu_kernels_prebuilt"
+"""The module (and file) name of the build made at install time, beside this file."""
+
+
+def cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_key(torch_version: str) -> str:
+    """Source, flags, this CPU and the torch the extension links against, hashed."""
+    parts = [(CSRC / name).read_text() for name in sorted(p.name for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))]
+    parts += [" ".join(CFLAGS), platform.processor(), cpu_flags(), torch_version]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=6).hexdigest()
+
+
+def compile_extension(name: str, build_dir: Path):
+    """Compile and import the extension as module ``name`` (ninja, through torch's cpp_extension)."""
+    from torch.utils.cpp_extension import load
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
+
+
+def build_into(target: Path) -> Path:
+    """Build the extension and place it, with its key, in ``target`` (the installed chatapp/engine)."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="chatapp-kernels-") as tmp:
+        module = compile_extension(PREBUILT_NAME, Path(tmp))
+        built = Path(module.__file__)
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, target / f"{PREBUILT_NAME}.so")
+    (target / f"{PREBUILT_NAME}.json").write_text(json.dumps({"key": build_key(torch.__version__),
+                                                              "torch": torch.__version__}))
+    return target / f"{PREBUILT_NAME}.so"
+
+
+if __name__ == "__main__":
+    print(f"chatapp: built the C++ CPU kernels: {build_into(Path(sys.argv[1]))}")
