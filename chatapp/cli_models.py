@@ -95,13 +95,21 @@ def _status(facts: Any) -> str:
 def cmd_list(args: argparse.Namespace) -> int:
     from chatapp.store import list_models
 
+    from chatapp.model_facts import available_memory
+
+    available = available_memory()
     rows = []
     for m in list_models():
         f = m.facts
+        estimate = estimate_for(f, available_bytes=available) if f.supported else None
+        memory = f"{format_bytes(estimate.total_bytes)} ({estimate.label})" if estimate else "?"
         rows.append([m.name, m.source, f.architecture or f.family or "?", format_count(f.parameters),
                      format_bytes(m.size_bytes), f.quantization or "?",
-                     str(f.context_length) if f.context_length else "?", _status(f)])
-    print(_table(rows, ["NAME", "SOURCE", "ARCHITECTURE", "PARAMS", "SIZE", "QUANT", "CONTEXT", "STATUS"]))
+                     str(f.context_length) if f.context_length else "?", memory, _status(f)])
+    print(_table(rows, ["NAME", "SOURCE", "ARCHITECTURE", "PARAMS", "SIZE", "QUANT", "CONTEXT", "MEMORY", "STATUS"]))
+    # On stderr: stdout stays one table for scripts to parse.
+    print(f"MEMORY: weights + KV cache at the model's context (held to what fits); "
+          f"{format_bytes(available)} available now", file=sys.stderr)
     return 0
 
 

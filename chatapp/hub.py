@@ -24,13 +24,15 @@ import logging
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
+from chatapp.engine.models.gguf_file import GGUF_ARCHITECTURES
 from chatapp.model_facts import (
-    GGUF_ARCHITECTURES,
+    FLOAT32_BYTES_PER_PARAMETER,
+    GGUF_BYTES_PER_PARAMETER_GUESS,
     WONT_FIT,
     MemoryEstimate,
     ModelFacts,
@@ -241,7 +243,8 @@ def _plan_gguf(repo_id: str, revision: str, commit: str, filename: str, siblings
         facts = facts_from_gguf_summary(gguf_info)
         if not facts.supported:
             raise HubError(f"{repo_id}:{filename} cannot run in chatapp: {facts.reason}")
-        # GGUF weights are converted to float32 on first use, so they cost what safetensors would.
+        # The engine runs the file's own blocks: the download's size is what the weights take.
+        facts = replace(facts, weights_bytes=_remote_file(siblings[filename]).size or None)
         estimate = estimate_for(facts, available_bytes=available_bytes)
     return PullPlan(repo_id, revision, commit, (_remote_file(siblings[filename]),), filename, facts, estimate)
 
@@ -490,5 +493,6 @@ def _search_result(item: Any, available_bytes: int | None) -> HubModel | None:
         fmt, params, arch = "unknown", None, archs[0] if archs else None
         if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
             return None
-    estimate = estimate_memory(params, available_bytes=available_bytes) if params else None
+    per_parameter = GGUF_BYTES_PER_PARAMETER_GUESS if fmt == "gguf" else FLOAT32_BYTES_PER_PARAMETER
+    estimate = estimate_memory(int(params * per_parameter), available_bytes=available_bytes) if params else None
     return HubModel(item.id, item.downloads, item.likes, fmt, arch, params, bool(item.gated), estimate)

@@ -20,14 +20,23 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# The engine runs float32 on the CPU: that is what a parameter costs in memory.
-CPU_BYTES_PER_PARAMETER = 4
-# The smallest KV pool worth running with: one 2k-token conversation.
+# What weights cost loaded on the CPU: a GGUF file runs its own blocks (its size is what it takes);
+# a safetensors model is read in float32 before it is quantised, so 4 bytes a parameter at peak.
+FLOAT32_BYTES_PER_PARAMETER = 4
+# A Hub listing of a GGUF repo knows only the parameter count: a Q4_K_M file's ~4.85 bits a weight.
+GGUF_BYTES_PER_PARAMETER_GUESS = 0.61
+# The CPU KV cache is float16 (EngineConfig.kv_cache_dtype): bytes per cached value.
+KV_BYTES_PER_VALUE = 2
+# The smallest context worth running with: one 2k-token conversation.
 MIN_KV_TOKENS = 2048
+# The engine's own working memory beside weights and cache (model_runner.WORKING_MEMORY_BYTES).
+WORKING_BYTES = 512 << 20
+# The engine gives its KV pool at most this share of what is left beside the weights (KV_SHARE_OF_FREE).
+KV_SHARE = 0.5
 # Above this share of available memory the rest of the system starts to swap.
 TIGHT_MEMORY_SHARE = 0.75
-# Decoding reads every weight once per token; on a CPU (~10-20 GB/s of memory
-# bandwidth) more than 4 GiB of weights (~1B float32 parameters) is a few tokens/s.
+# Decoding reads every weight once per token; at 20-50 GB/s of CPU memory bandwidth more than
+# 4 GiB of weights (a 7B model in 4 bits) decodes at a few tokens a second.
 SLOW_WEIGHT_BYTES = 4 << 30
 
 FITS, SLOW, WONT_FIT = "fits", "will be slow", "will not fit"
@@ -42,17 +51,19 @@ class ModelFacts:
     parameters: int | None
     quantization: str | None  # "bf16", "f32", "Q4_1", "gptq", ...
     context_length: int | None
-    kv_bytes_per_token: int | None
+    kv_bytes_per_token: int | None  # in the CPU's float16 cache
     supported: bool
     reason: str = ""  # why not supported; empty when supported
+    weights_bytes: int | None = None  # loaded on the CPU, when known better than from the parameters
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Memory a model needs to run here, against what the machine has free."""
+    """Memory a model needs to run here (weights + KV cache at its default context) against what is free."""
 
     weights_bytes: int
-    kv_bytes: int  # a MIN_KV_TOKENS pool; 0 when the KV size is unknown (e.g. a Hub listing)
+    kv_bytes: int  # 0 when the KV size is unknown (e.g. a Hub listing)
+    kv_tokens: int  # the context the KV figure is for: the model's own, held to what memory allows
     available_bytes: int
     label: str  # FITS, SLOW or WONT_FIT
 
@@ -61,9 +72,9 @@ class MemoryEstimate:
         return self.weights_bytes + self.kv_bytes
 
     def describe(self) -> str:
-        kv = f" + {format_bytes(self.kv_bytes)} KV cache" if self.kv_bytes else ""
+        kv = f" + {format_bytes(self.kv_bytes)} KV cache for {self.kv_tokens:,} tokens" if self.kv_bytes else ""
         return (f"{self.label}: needs about {format_bytes(self.total_bytes)} "
-                f"({format_bytes(self.weights_bytes)} float32 weights{kv}), "
+                f"({format_bytes(self.weights_bytes)} weights{kv}), "
                 f"{format_bytes(self.available_bytes)} available")
 
 
@@ -74,13 +85,21 @@ def available_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def estimate_memory(num_parameters: int, kv_bytes_per_token: int | None = None, *,
-                    bytes_per_parameter: int = CPU_BYTES_PER_PARAMETER,
+def estimate_memory(weights_bytes: int, kv_bytes_per_token: int | None = None, *, context_tokens: int | None = None,
                     available_bytes: int | None = None) -> MemoryEstimate:
-    """Weights plus a minimum KV pool, labelled "fits" / "will be slow" / "will not fit" (as Jan shows)."""
-    weights = int(num_parameters) * bytes_per_parameter
-    kv = MIN_KV_TOKENS * kv_bytes_per_token if kv_bytes_per_token else 0
+    """Weights plus the KV cache of one full default context, labelled "fits" / "will be slow" / "will not fit".
+
+    The default context is the model's own, held (as the engine holds it) to what half of the
+    memory left beside the weights can cache, but never counted below MIN_KV_TOKENS.
+    """
     available = available_memory() if available_bytes is None else int(available_bytes)
+    weights = int(weights_bytes)
+    kv = tokens = 0
+    if kv_bytes_per_token:
+        wanted = context_tokens or MIN_KV_TOKENS
+        room = int(max(0, available - weights - WORKING_BYTES) * KV_SHARE) // kv_bytes_per_token
+        tokens = min(wanted, max(room, MIN_KV_TOKENS))
+        kv = tokens * kv_bytes_per_token
     total = weights + kv
     if total > available:
         label = WONT_FIT
@@ -88,14 +107,16 @@ def estimate_memory(num_parameters: int, kv_bytes_per_token: int | None = None, 
         label = SLOW
     else:
         label = FITS
-    return MemoryEstimate(weights, kv, available, label)
+    return MemoryEstimate(weights, kv, tokens, available, label)
 
 
 def estimate_for(facts: ModelFacts, *, available_bytes: int | None = None) -> MemoryEstimate | None:
-    """The memory estimate of a model whose parameter count is known, else None."""
-    if not facts.parameters:
+    """The memory estimate of a model whose weight size or parameter count is known, else None."""
+    weights = facts.weights_bytes or (facts.parameters * FLOAT32_BYTES_PER_PARAMETER if facts.parameters else None)
+    if not weights:
         return None
-    return estimate_memory(facts.parameters, facts.kv_bytes_per_token, available_bytes=available_bytes)
+    return estimate_memory(weights, facts.kv_bytes_per_token, context_tokens=facts.context_length,
+                           available_bytes=available_bytes)
 
 
 def format_bytes(n: int | None) -> str:
@@ -146,8 +167,8 @@ def facts_from_config(hf_config: dict[str, Any], generation_config: dict[str, An
     except (KeyError, TypeError, ValueError) as e:  # a config.json missing the fields the engine needs
         return ModelFacts(arch, family, parameters, quantization, context, None, False,
                           f"config.json is incomplete or malformed ({type(e).__name__}: {e})")
-    return ModelFacts(arch, family, parameters or mc.num_parameters(), quantization,
-                      mc.max_position_embeddings, mc.kv_bytes_per_token, True)
+    return ModelFacts(arch, family, parameters or mc.num_parameters(), quantization, mc.max_position_embeddings,
+                      mc.kv_bytes_per_token // 4 * KV_BYTES_PER_VALUE, True)
 
 
 def _short_dtype(name: Any) -> str | None:
@@ -223,7 +244,8 @@ def facts_from_gguf(path: Path) -> ModelFacts:
         summary = _gguf_summary(path)
     except Exception as e:  # truncated or not GGUF at all: say so in the listing rather than crash it
         return ModelFacts(None, None, None, None, None, None, False, f"unreadable GGUF file ({e})")
-    return facts_from_gguf_summary(summary)
+    # The engine runs the file's own blocks: its size is what the weights take.
+    return replace(facts_from_gguf_summary(summary), weights_bytes=path.stat().st_size)
 
 
 def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:
@@ -245,7 +267,7 @@ def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:
         return ModelFacts(None, family, params, quant, context, None, False, reason)
     kv = None
     if all(summary.get(k) for k in ("block_count", "head_count_kv", "head_dim")):
-        kv = 2 * summary["block_count"] * summary["head_count_kv"] * summary["head_dim"] * 4
+        kv = 2 * summary["block_count"] * summary["head_count_kv"] * summary["head_dim"] * KV_BYTES_PER_VALUE
     return ModelFacts(arch, family, params, quant, context, kv, True)
 
 

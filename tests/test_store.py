@@ -44,6 +44,8 @@ def test_bundled_model_is_found_offline_on_a_fresh_install(tmp_path: Path) -> No
     assert listing.returncode == 0, listing.stderr
     row = next(line for line in listing.stdout.splitlines() if line.startswith(store.BUNDLED_NAME))
     assert row.split()[1:4] == ["bundled", "LlamaForCausalLM", "135M"] and "Q4_1" in row and row.endswith("ok")
+    # What it will take: the file's own weights (98.4 MB) + a float16 KV cache for its 8k context (188.7 MB).
+    assert "287.1 MB (fits)" in row and "available now" in listing.stderr
 
     code = "from chatapp.store import resolve_model; m = resolve_model(None); print(m.source, m.path)"
     resolved = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -201,16 +203,36 @@ def test_unknown_names_say_what_to_do(home: Path, spec: str, message: str) -> No
 
 def test_memory_labels() -> None:
     gib = 1 << 30
-    assert model_facts.estimate_memory(100_000_000, 50_000, available_bytes=16 * gib).label == "fits"
-    # 2B float32 parameters = 8 GB of weights: fits in 16 GiB, but slow to decode on a CPU.
-    assert model_facts.estimate_memory(2_000_000_000, available_bytes=16 * gib).label == "will be slow"
+    assert model_facts.estimate_memory(400_000_000, 50_000, available_bytes=16 * gib).label == "fits"
+    # 8 GB of weights (a 2B float32 model, a 13B in 4 bits): fits in 16 GiB, but slow to decode on a CPU.
+    assert model_facts.estimate_memory(8_000_000_000, available_bytes=16 * gib).label == "will be slow"
     # Small weights, little memory left over.
-    assert model_facts.estimate_memory(500_000_000, available_bytes=int(2.2 * gib)).label == "will be slow"
-    assert model_facts.estimate_memory(8_000_000_000, available_bytes=16 * gib).label == "will not fit"
-    # The KV pool counts: 2048 tokens x 1 MiB/token = 2 GiB on top of 0.4 GB of weights.
-    estimate = model_facts.estimate_memory(100_000_000, 1 << 20, available_bytes=2 * gib)
-    assert estimate.kv_bytes == 2 * gib and estimate.label == "will not fit"
-    assert "will not fit: needs about" in estimate.describe()
+    assert model_facts.estimate_memory(2_000_000_000, available_bytes=int(2.2 * gib)).label == "will be slow"
+    assert model_facts.estimate_memory(32_000_000_000, available_bytes=16 * gib).label == "will not fit"
+    # The KV cache counts, for the model's whole context when memory allows it...
+    roomy = model_facts.estimate_memory(400_000_000, 1 << 17, context_tokens=8192, available_bytes=16 * gib)
+    assert roomy.kv_tokens == 8192 and roomy.kv_bytes == gib and roomy.label == "fits"
+    assert "KV cache for 8,192 tokens" in roomy.describe()
+    # ...held to what half the memory left can cache (as the engine holds it), never below 2k tokens.
+    held = model_facts.estimate_memory(400_000_000, 1 << 17, context_tokens=131072, available_bytes=16 * gib)
+    room = (16 * gib - 400_000_000 - model_facts.WORKING_BYTES) // 2 // (1 << 17)
+    assert held.kv_tokens == room < 131072 and held.label == "fits"
+    tight = model_facts.estimate_memory(400_000_000, 1 << 20, context_tokens=8192, available_bytes=2 * gib)
+    assert tight.kv_tokens == 2048 and tight.kv_bytes == 2 * gib and tight.label == "will not fit"
+    assert "will not fit: needs about" in tight.describe()
+
+
+def test_a_gguf_files_weights_are_its_size_and_its_cache_is_half_precision() -> None:
+    from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.store import bundled_gguf_path
+
+    path = bundled_gguf_path()
+    facts = model_facts.facts_from_gguf(path)
+    mc = GGUFModelFile(path).model_config()
+    assert facts.weights_bytes == path.stat().st_size  # run as it is, not as float32
+    assert facts.kv_bytes_per_token == mc.kv_bytes_per_token // 2  # float16 cache on the CPU
+    estimate = model_facts.estimate_for(facts, available_bytes=16 << 30)
+    assert estimate.weights_bytes == path.stat().st_size and estimate.kv_tokens == facts.context_length
 
 
 def test_facts_count_the_real_parameters_and_flag_what_the_engine_cannot_load(tiny_llama: Path) -> None:

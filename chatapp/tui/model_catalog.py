@@ -60,13 +60,17 @@ class HubCatalog:
 
     def list_local(self) -> list[LocalEntry]:
         from chatapp import store
-        from chatapp.model_facts import format_count
+        from chatapp.model_facts import available_memory, estimate_for, format_bytes, format_count
 
+        available = available_memory()
         entries = []
         for m in store.list_models():
             f = m.facts
+            estimate = estimate_for(f, available_bytes=available)
+            memory = (f"needs {format_bytes(estimate.total_bytes)} of {format_bytes(available)} free "
+                      f"({estimate.label})" if estimate else None)
             bits = [b for b in (f.architecture, format_count(f.parameters) + " params" if f.parameters else None,
-                                f.quantization) if b]
+                                f.quantization, memory) if b]
             details = ", ".join(bits) if f.supported else f"cannot run: {f.reason}"
             entries.append(LocalEntry(m.name, m.source, m.size_bytes, details, f.supported))
         return entries
