@@ -99,25 +99,36 @@ def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool) ->
 
 
 _TUI_CHILD = """
-import asyncio, os, sys, tempfile
+import asyncio, os, sys, tempfile, time
 from chatapp.tui.app import ChatApp
 async def main():
     d = tempfile.mkdtemp()
     app = ChatApp(settings_path=os.path.join(d, "s.toml"), history_path=os.path.join(d, "h.db"))
     async with app.run_test() as pilot:
         await pilot.press("h", "i")  # typing works
-        print("mounted", flush=True)
-        os._exit(0)  # the engine it started is left to idle out; the measurement ends here
+        print("mounted", time.time(), flush=True)
+        while app.engine.state != "ready":  # then what the TUI holds once its engine is up
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        rss = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+        print("rss", rss, flush=True)
+        os._exit(0)  # the engine it started is stopped by the caller
 asyncio.run(main())
 """
 
 
+TUI_RSS: list[int] = []  # the TUI process's RSS with its engine ready, per launch
+
+
 def tui_first_screen(env: dict[str, str]) -> float:
     runtime = tempfile.mkdtemp()  # its own engine, stopped below (never left loading beside a baseline)
-    start = time.perf_counter()
+    start = time.time()  # wall clock: the child reports when its screen took keys
     out = subprocess.run([sys.executable, "-c", _TUI_CHILD], env={**env, "CHATAPP_RUNTIME_DIR": runtime},
-                         capture_output=True, text=True, timeout=120)
-    seconds = time.perf_counter() - start if "mounted" in out.stdout else float("nan")
+                         capture_output=True, text=True, timeout=300)
+    mounted = [float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("mounted ")]
+    seconds = mounted[0] - start if mounted else float("nan")
+    rss = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("rss ")]
+    TUI_RSS.extend(rss)
     engines = [p for p in psutil.process_iter(["cmdline"]) if runtime in " ".join(p.info["cmdline"] or [])]
     for engine in engines:
         engine.terminate()
@@ -159,8 +170,10 @@ def main() -> None:
         fresh = run_server(ours(port := free_port()), port, {**env, "CHATAPP_CACHE_DIR": cache}, measure=False)
     rows["ours"]["first_start_s"] = fresh["start_s"]
     rows["ours"]["tui_first_screen_s"] = min(tui_first_screen(env) for _ in range(args.repeat))
+    rows["ours"]["tui_rss_bytes"] = min(TUI_RSS) if TUI_RSS else None
     print(f"ours: the TUI's first screen, taking keys, {rows['ours']['tui_first_screen_s']:.2f} s after launch "
-          f"(best of {args.repeat})", flush=True)
+          f"(best of {args.repeat}); the TUI process holds {(min(TUI_RSS) if TUI_RSS else 0) / 2**20:.0f} MiB "
+          "once its engine is ready", flush=True)
     print(f"ours: first start on an empty cache directory {fresh['start_s']:.2f} s", flush=True)
     for name, var in (("llama.cpp", "LLAMA_SERVER"), ("ik_llama.cpp", "IK_LLAMA_SERVER")):
         if binary := os.environ.get(var):

@@ -62,7 +62,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                                           file=sys.stderr, flush=True))
     # The engine first: it loads while this process imports the HTTP server (~0.3 s of FastAPI).
     starting = asyncio.create_task(client.start())
-    await asyncio.sleep(0)
+    await asyncio.wait({starting}, timeout=0.02)  # long enough to reach the engine's spawn
     from chatapp.server.run import start_server
 
     try:
