@@ -84,7 +84,11 @@ def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool) ->
             time.sleep(0.02)
         out["start_s"] = time.perf_counter() - start
         if measure:
-            _chat(port)
+            try:
+                _chat(port)
+            except OSError as exc:  # ik_llama.cpp's server aborts on a random-weight model's invalid UTF-8
+                out["chat_error"] = str(exc)
+                print(f"  (the chat failed: {exc}; RSS is read without it)", flush=True)
             time.sleep(0.5)
             out["rss_bytes"], out["rss_parts"] = _tree_rss(psutil.Process(popen.pid))
         return out
