@@ -152,3 +152,22 @@ def test_kernels_built_at_install_are_used_when_they_fit(ext, tmp_path, monkeypa
     (tmp_path / f"{kernel_build.PREBUILT_NAME}.so").write_bytes(b"not a library")
     monkeypatch.setattr(cpu_kernels, "PREBUILT_DIR", tmp_path)
     assert cpu_kernels._prebuilt(kernel_build.build_key(torch.__version__)) is None
+
+
+def test_without_a_compiler_it_says_so_in_one_line_and_the_torch_path_runs(monkeypatch, caplog, tmp_path) -> None:
+    import logging
+
+    from chatapp.engine import kernel_build
+
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path))  # nothing compiled on first use there
+    monkeypatch.setattr(cpu_kernels, "_prebuilt", lambda key: None)  # nor at install
+
+    def no_compiler(name, build_dir):
+        raise RuntimeError("Error checking compiler version for c++: [Errno 2] No such file or directory: 'c++'")
+
+    monkeypatch.setattr(kernel_build, "compile_extension", no_compiler)
+    with caplog.at_level(logging.INFO, logger="chatapp.engine.cpu_kernels"):
+        assert cpu_kernels.load.__wrapped__() is None  # the uncached load: the real one stays as it was
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "running on the slower torch path" in warnings[0] and "'c++'" in warnings[0]
+    assert any("compiling chatapp's C++ CPU kernels" in r.getMessage() for r in caplog.records)  # said while trying
