@@ -8,9 +8,11 @@ from hypothesis import settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from chatapp.engine.block_pool import BlockPool
+from chatapp.engine.config import EngineConfig
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.request import Request
 from chatapp.engine.sampling_params import SamplingParams
+from chatapp.engine.scheduler import ScheduledBatch, Scheduler
 
 BS = 4
 
@@ -30,8 +32,8 @@ def compute(kv: KVCacheManager, req: Request, n: int, shadow: dict[int, list[int
         table = kv.block_ids(req.request_id)
         for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
             shadow[table[pos // kv.block_size]][pos % kv.block_size] = req.all_token_ids[pos]
-    req.num_computed_tokens += n
-    kv.cache_computed_blocks(req)
+    # The step's update, as the scheduler applies it (nothing is sampled in this machine).
+    Scheduler(EngineConfig(), kv).update_from_output(ScheduledBatch([req], [n]), [], [])
     return True
 
 

@@ -25,13 +25,11 @@ def request(rid: str, n: int, start: int = 0) -> Request:
 
 
 def run_step(s: Scheduler) -> dict[str, int]:
-    """Schedule, pretend the model computed everything, sample a token where a request caught up."""
+    """Schedule, pretend the model computed everything and sampled 7 where a request caught up,
+    and apply that through the scheduler's own update (as EngineCore.step does)."""
     batch = s.schedule()
-    for req, n in zip(batch.requests, batch.num_new_tokens):
-        req.num_computed_tokens += n
-        s.kv.cache_computed_blocks(req)
-        if req.num_computed_tokens == req.num_tokens:
-            req.append_token(7)
+    sampled = batch.requests_to_sample()
+    s.update_from_output(batch, sampled, [7] * len(sampled))
     return {r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)}
 
 
@@ -95,3 +93,24 @@ def test_everything_freed_after_finish() -> None:
     for req in list(s.requests.values()):
         s.finish(req, RequestStatus.FINISHED_ABORTED)
     assert s.kv.num_free_blocks == 16 and not s.running and not s.waiting
+
+
+def test_update_from_output_advances_samples_and_finishes_in_one_place() -> None:
+    """A prompt chunk samples nothing; the chunk that ends the prompt samples; a stop finishes."""
+    s = make(budget=6, threshold=6)
+    req = Request("a", list(range(10)), SamplingParams(max_tokens=2), frozenset({99}), BS, 1000)
+    s.add(req)
+    batch = s.schedule()
+    assert batch.num_new_tokens == [6] and batch.requests_to_sample() == []
+    update = s.update_from_output(batch, [], [])
+    assert req.num_computed_tokens == 6 and update.outputs == [] and update.num_prompt_tokens == 6
+    assert len(s.kv.find_cached_prefix(request("probe", 10))) == 6 // BS  # its full block is findable at once
+    batch = s.schedule()
+    assert batch.num_new_tokens == [4] and batch.requests_to_sample() == [req]
+    update = s.update_from_output(batch, [req], [5])
+    assert [o.new_token_ids for o in update.outputs] == [[5]] and update.num_prompt_tokens == 4
+    assert req.output_token_ids == [5] and not update.outputs[0].finished
+    batch = s.schedule()
+    update = s.update_from_output(batch, batch.requests_to_sample(), [99])  # the stop token
+    assert update.outputs[0].finish_reason == "stop" and update.num_prompt_tokens == 0
+    assert s.num_unfinished == 0 and s.kv.num_free_blocks == s.kv.num_blocks

@@ -106,24 +106,10 @@ class EngineCore:
         if not batch:
             return outputs
         result = self.runner.execute(batch, {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests})
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.prompt_tokens_total += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += n
-            self.kv.cache_computed_blocks(req)
-        sampled = result.sampled
-        for i, req in enumerate(result.sampled_requests):
-            token = sampled.token_ids[i]
-            req.append_token(token)
-            status = req.check_stop(token)
-            out = EngineCoreOutput(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,
-                                   num_cached_tokens=req.num_cached_tokens)
-            if sampled.logprobs[i] is not None:
-                out.new_logprobs = [sampled.logprobs[i]]
-            if status is not None:
-                self.scheduler.finish(req, status)
-                out.finish_reason = status.value
-            outputs.append(out)
+        update = self.scheduler.update_from_output(batch, result.sampled_requests, result.sampled.token_ids,
+                                                   result.sampled.logprobs)
+        outputs += update.outputs
+        self.prompt_tokens_total += update.num_prompt_tokens
         self.generation_tokens_total += len(result.sampled_requests)
         step_seconds = time.perf_counter() - step_start
         self.forward_seconds_total += result.forward_seconds

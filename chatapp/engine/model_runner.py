@@ -353,7 +353,8 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(len(reqs)), q_lens_np)
         positions = np.arange(len(tokens), dtype=np.int64) - query_start[req_of_token] + np.repeat(starts, q_lens_np)
         slots = table_np[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        sample_rows = [i for i, r in enumerate(reqs) if seq_lens[i] == r.num_tokens]
+        to_sample = {id(r) for r in batch.requests_to_sample()}
+        sample_rows = [i for i, r in enumerate(reqs) if id(r) in to_sample]
 
         dev = self.device
         meta = AttentionMetadata(

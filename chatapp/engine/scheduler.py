@@ -9,10 +9,12 @@ preemption are all that one path.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.kv_manager import KVCacheManager
+from chatapp.engine.outputs import EngineCoreOutput, TokenLogprobs
 from chatapp.engine.request import Request, RequestStatus
 
 
@@ -29,6 +31,21 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def requests_to_sample(self) -> list[Request]:
+        """Those whose new tokens reach the end of what they know: the model samples their next token.
+
+        A prompt chunk that stops short of the prompt's end samples nothing.
+        """
+        return [r for r, n in zip(self.requests, self.num_new_tokens) if r.num_computed_tokens + n == r.num_tokens]
+
+
+@dataclass
+class StepUpdate:
+    """What applying one executed step produced: the outputs to send and the prompt tokens it computed."""
+
+    outputs: list[EngineCoreOutput]
+    num_prompt_tokens: int
 
 
 class Scheduler:
@@ -113,6 +130,36 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def update_from_output(self, batch: ScheduledBatch, sampled: Sequence[Request], token_ids: Sequence[int],
+                           logprobs: Sequence[TokenLogprobs | None] | None = None) -> StepUpdate:
+        """Apply an executed step to its requests: the one place a step changes them.
+
+        Each scheduled request has computed its new tokens (its newly full blocks become findable by
+        the prefix cache); each sampled request takes its token (``token_ids[i]`` for
+        ``sampled[i]``, in the order the model runner returns them) and is checked for a stop, and
+        the ones that stopped are finished (their blocks freed).
+        """
+        num_prompt_tokens = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                num_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
+        outputs = []
+        for i, req in enumerate(sampled):
+            token = token_ids[i]
+            req.append_token(token)
+            status = req.check_stop(token)
+            out = EngineCoreOutput(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,
+                                   num_cached_tokens=req.num_cached_tokens)
+            if logprobs is not None and logprobs[i] is not None:
+                out.new_logprobs = [logprobs[i]]
+            if status is not None:
+                self.finish(req, status)
+                out.finish_reason = status.value
+            outputs.append(out)
+        return StepUpdate(outputs, num_prompt_tokens)
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it first in line to be recomputed."""
