@@ -33,8 +33,11 @@ class BuildPyWithKernels(build_py):
             print(result.stdout.strip(), file=sys.stderr)
         else:
             why = (result.stderr.strip().splitlines() or ["unknown error"])[-1]
-            print(f"chatapp: the C++ CPU kernels were not built at install ({why}); they will be compiled "
-                  "on first use, or the slower torch path runs", file=sys.stderr)
+            print(
+                f"chatapp: the C++ CPU kernels were not built at install ({why}); they will be compiled "
+                "on first use, or the slower torch path runs",
+                file=sys.stderr,
+            )
 
 
 setup(cmdclass={"build_py": BuildPyWithKernels})

@@ -48,10 +48,12 @@ def _get(url: str) -> int:
 
 
 def _chat(port: int) -> None:
-    body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "temperature": 0}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         resp.read()
 
@@ -127,8 +129,13 @@ TUI_RSS: list[int] = []  # the TUI process's RSS with its engine ready, per laun
 def tui_first_screen(env: dict[str, str]) -> float:
     runtime = tempfile.mkdtemp()  # its own engine, stopped below (never left loading beside a baseline)
     start = time.time()  # wall clock: the child reports when its screen took keys
-    out = subprocess.run([sys.executable, "-c", _TUI_CHILD], env={**env, "CHATAPP_RUNTIME_DIR": runtime},
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _TUI_CHILD],
+        env={**env, "CHATAPP_RUNTIME_DIR": runtime},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     mounted = [float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("mounted ")]
     seconds = mounted[0] - start if mounted else float("nan")
     rss = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("rss ")]
@@ -144,8 +151,11 @@ def measure(name: str, make_cmd, env: dict[str, str], repeat: int) -> dict:
     runs = [run_server(make_cmd(port := free_port()), port, env, measure=(i == 0)) for i in range(repeat)]
     best = min(r["start_s"] for r in runs)
     row = {"warm_start_s": best, "rss_bytes": runs[0].get("rss_bytes"), "rss_parts": runs[0].get("rss_parts")}
-    print(f"{name}: warm start {best:.2f} s (best of {repeat}), RSS after one chat "
-          f"{(row['rss_bytes'] or 0) / 2**20:.0f} MiB {row['rss_parts']}", flush=True)
+    print(
+        f"{name}: warm start {best:.2f} s (best of {repeat}), RSS after one chat "
+        f"{(row['rss_bytes'] or 0) / 2**20:.0f} MiB {row['rss_parts']}",
+        flush=True,
+    )
     return row
 
 
@@ -164,8 +174,18 @@ def main() -> None:
     env = {**os.environ, "CHATAPP_RUNTIME_DIR": tempfile.mkdtemp()}
 
     def ours(port: int) -> list[str]:
-        return [sys.executable, "-m", "chatapp", "serve", "--model", args.file, "--port", str(port),
-                "--max-model-len", str(args.ctx)]
+        return [
+            sys.executable,
+            "-m",
+            "chatapp",
+            "serve",
+            "--model",
+            args.file,
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(args.ctx),
+        ]
 
     # A first run warms the page cache and our caches; it is not counted.
     run_server(ours(port := free_port()), port, env, measure=False)
@@ -175,24 +195,44 @@ def main() -> None:
     rows["ours"]["first_start_s"] = fresh["start_s"]
     rows["ours"]["tui_first_screen_s"] = min(tui_first_screen(env) for _ in range(args.repeat))
     rows["ours"]["tui_rss_bytes"] = min(TUI_RSS) if TUI_RSS else None
-    print(f"ours: the TUI's first screen, taking keys, {rows['ours']['tui_first_screen_s']:.2f} s after launch "
-          f"(best of {args.repeat}); the TUI process holds {(min(TUI_RSS) if TUI_RSS else 0) / 2**20:.0f} MiB "
-          "once its engine is ready", flush=True)
+    print(
+        f"ours: the TUI's first screen, taking keys, {rows['ours']['tui_first_screen_s']:.2f} s after launch "
+        f"(best of {args.repeat}); the TUI process holds {(min(TUI_RSS) if TUI_RSS else 0) / 2**20:.0f} MiB "
+        "once its engine is ready",
+        flush=True,
+    )
     print(f"ours: first start on an empty cache directory {fresh['start_s']:.2f} s", flush=True)
     for name, var in (("llama.cpp", "LLAMA_SERVER"), ("ik_llama.cpp", "IK_LLAMA_SERVER")):
         if binary := os.environ.get(var):
-            rows[name] = measure(name, lambda port, b=binary: [b, "-m", args.file, "-c", str(args.ctx), "-t",
-                                                              str(args.threads), "--port", str(port), "-fa", "on"],
-                                 dict(os.environ), args.repeat)
+            rows[name] = measure(
+                name,
+                lambda port, b=binary: [
+                    b,
+                    "-m",
+                    args.file,
+                    "-c",
+                    str(args.ctx),
+                    "-t",
+                    str(args.threads),
+                    "--port",
+                    str(port),
+                    "-fa",
+                    "on",
+                ],
+                dict(os.environ),
+                args.repeat,
+            )
     base = [r for n, r in rows.items() if n != "ours" and r.get("rss_bytes")]
     if base:
         lean = min(base, key=lambda r: r["rss_bytes"])
         fast = min(base, key=lambda r: r["warm_start_s"])
         mine = rows["ours"]
-        print(f"\nRSS ours / leanest baseline: {mine['rss_bytes'] / lean['rss_bytes']:.2f}x; "
-              f"warm start ours / fastest baseline: {mine['warm_start_s'] / fast['warm_start_s']:.1f}x "
-              f"({mine['warm_start_s']:.2f} s vs {fast['warm_start_s']:.2f} s); "
-              f"first start / warm start: {mine['first_start_s'] / mine['warm_start_s']:.2f}x")
+        print(
+            f"\nRSS ours / leanest baseline: {mine['rss_bytes'] / lean['rss_bytes']:.2f}x; "
+            f"warm start ours / fastest baseline: {mine['warm_start_s'] / fast['warm_start_s']:.1f}x "
+            f"({mine['warm_start_s']:.2f} s vs {fast['warm_start_s']:.2f} s); "
+            f"first start / warm start: {mine['first_start_s'] / mine['warm_start_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ rss0 = psutil.Process().memory_info().rss
 t1 = time.perf_counter()
 llm = LLM(sys.argv[1], kv_cache_memory_gib=float(sys.argv[2]))
 load = time.perf_counter() - t1
-peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))  # not ru_maxrss: it keeps the parent's peak across exec
+# VmHWM, not ru_maxrss: that keeps the parent's peak across exec
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 llm.generate(["warm up"], greedy(8))
 def best(fn, runs=2):
@@ -98,8 +99,9 @@ def write_file(directory: Path, shape: str, mix: str) -> Path:
 
 
 def ours(path: Path, kv_gib: float) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _OURS, str(path), str(kv_gib)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _OURS, str(path), str(kv_gib)], capture_output=True, text=True, cwd=ROOT, timeout=3600
+    )
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -109,8 +111,13 @@ def llama_bench(binary: str, path: Path, threads: int, flags: list[list[str]]) -
     """Best pp512 and tg128 over the flag sets given (each baseline at its best flags)."""
     best = {"pp_tps": 0.0, "decode_tps": 0.0}
     for extra in flags:
-        proc = subprocess.run([binary, "-m", str(path), "-t", str(threads), "-p", "512", "-n", "128", "-r", "2",
-                               "-o", "json", *extra], capture_output=True, text=True, env=BASE_ENV, timeout=3600)
+        proc = subprocess.run(
+            [binary, "-m", str(path), "-t", str(threads), "-p", "512", "-n", "128", "-r", "2", "-o", "json", *extra],
+            capture_output=True,
+            text=True,
+            env=BASE_ENV,
+            timeout=3600,
+        )
         if proc.returncode != 0:
             continue
         for test in json.loads(proc.stdout):
@@ -121,9 +128,31 @@ def llama_bench(binary: str, path: Path, threads: int, flags: list[list[str]]) -
 
 def batched_bench(binary: str, path: Path, threads: int) -> float:
     """8 sequences of 64 prompt tokens, 128 new each: generation tok/s (llama-batched-bench's S_TG)."""
-    proc = subprocess.run([binary, "-m", str(path), "-t", str(threads), "-c", str(8 * 256), "-b", "512",
-                           "-npp", "64", "-ntg", "128", "-npl", "8", "-fa", "on"],
-                          capture_output=True, text=True, env=BASE_ENV, timeout=3600)
+    proc = subprocess.run(
+        [
+            binary,
+            "-m",
+            str(path),
+            "-t",
+            str(threads),
+            "-c",
+            str(8 * 256),
+            "-b",
+            "512",
+            "-npp",
+            "64",
+            "-ntg",
+            "128",
+            "-npl",
+            "8",
+            "-fa",
+            "on",
+        ],
+        capture_output=True,
+        text=True,
+        env=BASE_ENV,
+        timeout=3600,
+    )
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\|\s+64\s+\|\s+128\s+\|\s+8\s+\|", line)]
     if not rows:
         return 0.0
@@ -183,21 +212,26 @@ def main() -> None:
             if batched:
                 rows["llama.cpp"]["eight_tps"] = batched_bench(batched, path, args.threads)
         if ik:
-            rows["ik_llama.cpp"] = llama_bench(ik, path, args.threads, [["-fa", "0", "-rtr", "1"], ["-fa", "1", "-rtr", "1"],
-                                                                        ["-fa", "1"]])
+            rows["ik_llama.cpp"] = llama_bench(
+                ik, path, args.threads, [["-fa", "0", "-rtr", "1"], ["-fa", "1", "-rtr", "1"], ["-fa", "1"]]
+            )
         if not args.no_start:
             port = free_port()
             env = {**os.environ, "CHATAPP_RUNTIME_DIR": tempfile.mkdtemp()}
             rows["ours"]["start_s"] = start_to_health(
-                [sys.executable, "-m", "chatapp", "serve", "--model", str(path), "--port", str(port)], port, env)
+                [sys.executable, "-m", "chatapp", "serve", "--model", str(path), "--port", str(port)], port, env
+            )
             if server:
                 port = free_port()
                 rows.setdefault("llama.cpp", {})["start_s"] = start_to_health(
-                    [server, "-m", str(path), "-t", str(args.threads), "--port", str(port), "-fa", "on"], port, BASE_ENV)
+                    [server, "-m", str(path), "-t", str(args.threads), "--port", str(port), "-fa", "on"], port, BASE_ENV
+                )
         print(f"## {path.name} ({size / 2**20:.0f} MiB)")
         print(json.dumps(rows, indent=1))
-        base = {k: max(((r.get(k, 0.0) or 0.0) for name, r in rows.items() if name != "ours"), default=0.0)
-                for k in ("decode_tps", "pp_tps", "eight_tps")}
+        base = {
+            k: max(((r.get(k, 0.0) or 0.0) for name, r in rows.items() if name != "ours"), default=0.0)
+            for k in ("decode_tps", "pp_tps", "eight_tps")
+        }
         mine = rows["ours"]
         for key, label in (("decode_tps", "decode"), ("pp_tps", "prompt 512"), ("eight_tps", "8-way")):
             if mine.get(key) and base.get(key):
@@ -207,8 +241,10 @@ def main() -> None:
                 print(f"  {name} decode at {100 * size * r['decode_tps'] / bandwidth:.0f}% of the roofline")
         if mine.get("load_rss_bytes"):
             kv = args.kv_gib * 2**30
-            print(f"  ours: load {mine['load_s']:.1f} s, peak RSS of loading {mine['load_rss_bytes'] / 2**20:.0f} MiB = "
-                  f"{(mine['load_rss_bytes'] - kv) / size:.2f}x the file + the {args.kv_gib} GiB KV cache")
+            print(
+                f"  ours: load {mine['load_s']:.1f} s, peak RSS of loading {mine['load_rss_bytes'] / 2**20:.0f} MiB = "
+                f"{(mine['load_rss_bytes'] - kv) / size:.2f}x the file + the {args.kv_gib} GiB KV cache"
+            )
         print()
     shutil.rmtree(args.dir / "tmp", ignore_errors=True)
 

@@ -39,8 +39,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    engines = {kv: LLM(args.model, kv_cache_dtype=kv, max_model_len=max(args.contexts) + args.tokens + 16,
-                       kv_cache_memory_gib=1.0) for kv in ("float32", "float16")}
+    engines = {
+        kv: LLM(
+            args.model, kv_cache_dtype=kv, max_model_len=max(args.contexts) + args.tokens + 16, kv_cache_memory_gib=1.0
+        )
+        for kv in ("float32", "float16")
+    }
     for kv, llm in engines.items():
         per_token = llm.core.runner.bytes_per_block() / llm.config.block_size
         print(f"{kv}: {per_token / 1024:.1f} KiB of KV cache per token ({llm.config.quantization} weights)")
@@ -50,8 +54,11 @@ def main() -> None:
         for _ in range(args.repeat):
             for kv, llm in engines.items():
                 best[kv] = max(best[kv], decode_tps(llm, prompt, args.tokens))
-        print(f"context {ctx}: decode float32 KV {best['float32']:.1f} tok/s, float16 KV {best['float16']:.1f} tok/s "
-              f"({best['float16'] / best['float32']:.2f}x)", flush=True)
+        print(
+            f"context {ctx}: decode float32 KV {best['float32']:.1f} tok/s, float16 KV {best['float16']:.1f} tok/s "
+            f"({best['float16'] / best['float32']:.2f}x)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ start = time.perf_counter()
 gguf = GGUFModelFile(sys.argv[1])
 model = load_gguf_native(gguf, gguf.model_config(), 4096, ext)
 seconds = time.perf_counter() - start
-peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))  # not ru_maxrss: it keeps the parent's peak across exec
+# VmHWM, not ru_maxrss: that keeps the parent's peak across exec
+peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({"seconds": seconds, "peak_over_before": peak - before}))
 """
 
@@ -54,9 +55,11 @@ def main() -> int:
     size = Path(args.file).stat().st_size
     runs = [_timed_load(args.file) for _ in range(max(args.repeat, 1))]
     best = min(runs, key=lambda r: r["seconds"])
-    print(f"{Path(args.file).name} ({size / 2**20:.0f} MiB): load {best['seconds']:.2f} s (best of {len(runs)}), "
-          f"peak RSS over the process before it {best['peak_over_before'] / 2**20:.0f} MiB "
-          f"= {best['peak_over_before'] / size:.2f}x the file")
+    print(
+        f"{Path(args.file).name} ({size / 2**20:.0f} MiB): load {best['seconds']:.2f} s (best of {len(runs)}), "
+        f"peak RSS over the process before it {best['peak_over_before'] / 2**20:.0f} MiB "
+        f"= {best['peak_over_before'] / size:.2f}x the file"
+    )
     return 0
 
 

@@ -46,9 +46,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import make_text  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely."
-QUESTIONS = ["What is the capital of France?", "Name three colors.", "Explain what a KV cache is.",
-             "Write a haiku about rivers.", "How do I reverse a list in Python?", "Why is the sky blue?",
-             "Give me a recipe for bread.", "What does HTTP 503 mean?", "Summarise the plot of Hamlet."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Explain what a KV cache is.",
+    "Write a haiku about rivers.",
+    "How do I reverse a list in Python?",
+    "Why is the sky blue?",
+    "Give me a recipe for bread.",
+    "What does HTTP 503 mean?",
+    "Summarise the plot of Hamlet.",
+]
 
 
 @dataclass
@@ -69,8 +77,14 @@ def _request(rng: random.Random, n: int) -> tuple[str, dict[str, Any], str]:
     """(route, body, description) of one random request; ``n`` makes long prompts unique."""
     long = rng.random() < 0.25
     question = rng.choice(QUESTIONS)
-    content = (f"Read this document and answer the question after it.\n\n{make_text(rng.randint(700, 2200), n)}"
-               f"\n\nQuestion: {question}") if long else question
+    content = (
+        (
+            f"Read this document and answer the question after it.\n\n{make_text(rng.randint(700, 2200), n)}"
+            f"\n\nQuestion: {question}"
+        )
+        if long
+        else question
+    )
     body: dict[str, Any] = {"max_tokens": rng.randint(16, 200)}
     if rng.random() < 0.5:
         body["temperature"] = 0
@@ -90,8 +104,9 @@ def _content_of(event: dict[str, Any]) -> str:
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
-async def _streamed(http: httpx.AsyncClient, route: str, body: dict[str, Any], hang_up_after: int | None,
-                    tally: Tally) -> None:
+async def _streamed(
+    http: httpx.AsyncClient, route: str, body: dict[str, Any], hang_up_after: int | None, tally: Tally
+) -> None:
     sent = time.perf_counter()
     last = None
     chunks = 0
@@ -105,7 +120,7 @@ async def _streamed(http: httpx.AsyncClient, route: str, body: dict[str, Any], h
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 break
@@ -130,8 +145,9 @@ async def _streamed(http: httpx.AsyncClient, route: str, body: dict[str, Any], h
             tally.errors.append(f"{route} stream: ended without [DONE]")
 
 
-async def _whole(http: httpx.AsyncClient, route: str, body: dict[str, Any], patience: float | None,
-                 tally: Tally) -> None:
+async def _whole(
+    http: httpx.AsyncClient, route: str, body: dict[str, Any], patience: float | None, tally: Tally
+) -> None:
     try:
         async with asyncio.timeout(patience):
             response = await http.post(route, json=body)
@@ -180,8 +196,9 @@ class Serve:
 
     def __init__(self, runtime: Path, model: str | None) -> None:
         env = {**os.environ, "CHATAPP_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "chatapp.cli"] + (["--model", model] if model else []) + \
-            ["serve", "--port", "0"]
+        command = (
+            [sys.executable, "-m", "chatapp.cli"] + (["--model", model] if model else []) + ["serve", "--port", "0"]
+        )
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.runtime = runtime
         self.url = ""
@@ -252,20 +269,36 @@ async def _soak(args: argparse.Namespace, serve: Serve) -> dict[str, Any]:
     after_warm_up = next(s for s in samples if s[0] >= warm_up) if samples[-1][0] >= warm_up else samples[0]
     growth = samples[-1][1] / after_warm_up[1] - 1
     return {
-        "minutes": args.minutes, "users": args.users, "seed": args.seed, "model": stats["model"],
-        "engine_pid": engine_pid, "requests": tally.requests, "total_requests": sum(tally.requests.values()),
-        "hang_ups": tally.hang_ups, "gave_up": tally.gave_up, "errors": tally.errors,
+        "minutes": args.minutes,
+        "users": args.users,
+        "seed": args.seed,
+        "model": stats["model"],
+        "engine_pid": engine_pid,
+        "requests": tally.requests,
+        "total_requests": sum(tally.requests.values()),
+        "hang_ups": tally.hang_ups,
+        "gave_up": tally.gave_up,
+        "errors": tally.errors,
         "completion_tokens_received": tally.completion_tokens,
-        "generation_tokens_total": stats["generation_tokens_total"], "prompt_tokens_total": stats["prompt_tokens_total"],
-        "num_preemptions": stats["num_preemptions"], "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        "generation_tokens_total": stats["generation_tokens_total"],
+        "prompt_tokens_total": stats["prompt_tokens_total"],
+        "num_preemptions": stats["num_preemptions"],
+        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
         "ttft_s": {"n": len(tally.ttft), "p50": _percentile(tally.ttft, 0.5), "p99": _percentile(tally.ttft, 0.99)},
         "itl_s": {"n": len(tally.itl), "p50": _percentile(tally.itl, 0.5), "p99": _percentile(tally.itl, 0.99)},
-        "engine_rss_mib": {"first": samples[0][1], "after_warm_up": after_warm_up[1], "warm_up_s": after_warm_up[0],
-                           "end": samples[-1][1], "max": max(s[1] for s in samples), "growth": growth,
-                           "bound": args.max_growth},
+        "engine_rss_mib": {
+            "first": samples[0][1],
+            "after_warm_up": after_warm_up[1],
+            "warm_up_s": after_warm_up[0],
+            "end": samples[-1][1],
+            "max": max(s[1] for s in samples),
+            "growth": growth,
+            "bound": args.max_growth,
+        },
         "server_rss_mib": {"first": samples[0][2], "after_warm_up": after_warm_up[2], "end": samples[-1][2]},
         "rss_samples": [[round(t, 1), round(e, 1), round(s, 1)] for t, e, s in samples],
-        "idle_at_end": idle, "final_stats": stats,
+        "idle_at_end": idle,
+        "final_stats": stats,
     }
 
 
@@ -273,19 +306,30 @@ def _report(r: dict[str, Any]) -> None:
     mem, srv = r["engine_rss_mib"], r["server_rss_mib"]
     print(f"\nsoak: {r['minutes']} min, {r['users']} users, model {r['model']}, seed {r['seed']}")
     print(f"requests: {r['total_requests']} ({', '.join(f'{k} {v}' for k, v in sorted(r['requests'].items()))})")
-    print(f"hang-ups mid-stream: {r['hang_ups']}, gave up before the answer: {r['gave_up']}, "
-          f"errors: {len(r['errors'])}")
-    print(f"tokens: {r['generation_tokens_total']} generated, {r['prompt_tokens_total']} prompt tokens computed, "
-          f"{r['num_preemptions']} preemptions, prefix-cache hit rate {r['prefix_cache_hit_rate']:.2f}")
-    print(f"TTFT (streamed, n={r['ttft_s']['n']}): p50 {r['ttft_s']['p50'] * 1000:.0f} ms, "
-          f"p99 {r['ttft_s']['p99'] * 1000:.0f} ms")
-    print(f"gap between streamed chunks (n={r['itl_s']['n']}): p50 {r['itl_s']['p50'] * 1000:.1f} ms, "
-          f"p99 {r['itl_s']['p99'] * 1000:.1f} ms")
-    print(f"engine RSS: {mem['first']:.0f} MiB at start, {mem['after_warm_up']:.0f} MiB after "
-          f"{mem['warm_up_s']:.0f} s warm-up, {mem['end']:.0f} MiB at the end (max {mem['max']:.0f}); "
-          f"growth after warm-up {mem['growth'] * 100:+.1f}% (bound {mem['bound'] * 100:.0f}%)")
-    print(f"server RSS: {srv['first']:.0f} MiB at start, {srv['after_warm_up']:.0f} MiB after warm-up, "
-          f"{srv['end']:.0f} MiB at the end")
+    print(
+        f"hang-ups mid-stream: {r['hang_ups']}, gave up before the answer: {r['gave_up']}, errors: {len(r['errors'])}"
+    )
+    print(
+        f"tokens: {r['generation_tokens_total']} generated, {r['prompt_tokens_total']} prompt tokens computed, "
+        f"{r['num_preemptions']} preemptions, prefix-cache hit rate {r['prefix_cache_hit_rate']:.2f}"
+    )
+    print(
+        f"TTFT (streamed, n={r['ttft_s']['n']}): p50 {r['ttft_s']['p50'] * 1000:.0f} ms, "
+        f"p99 {r['ttft_s']['p99'] * 1000:.0f} ms"
+    )
+    print(
+        f"gap between streamed chunks (n={r['itl_s']['n']}): p50 {r['itl_s']['p50'] * 1000:.1f} ms, "
+        f"p99 {r['itl_s']['p99'] * 1000:.1f} ms"
+    )
+    print(
+        f"engine RSS: {mem['first']:.0f} MiB at start, {mem['after_warm_up']:.0f} MiB after "
+        f"{mem['warm_up_s']:.0f} s warm-up, {mem['end']:.0f} MiB at the end (max {mem['max']:.0f}); "
+        f"growth after warm-up {mem['growth'] * 100:+.1f}% (bound {mem['bound'] * 100:.0f}%)"
+    )
+    print(
+        f"server RSS: {srv['first']:.0f} MiB at start, {srv['after_warm_up']:.0f} MiB after warm-up, "
+        f"{srv['end']:.0f} MiB at the end"
+    )
     print(f"engine idle at the end: {r['idle_at_end']}")
     for error in r["errors"][:10]:
         print(f"  error: {error}")
@@ -296,8 +340,9 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--users", type=int, default=8, help="concurrent virtual users")
     parser.add_argument("--seed", type=int, default=9)
-    parser.add_argument("--warm-up", type=float, default=90.0,
-                        help="seconds before the memory baseline (at most a third of the run)")
+    parser.add_argument(
+        "--warm-up", type=float, default=90.0, help="seconds before the memory baseline (at most a third of the run)"
+    )
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS samples")
     parser.add_argument("--max-growth", type=float, default=0.10, help="allowed engine RSS growth after warm-up")
     parser.add_argument("--model", default=None, help="default: the bundled model")
@@ -319,7 +364,8 @@ def main() -> int:
     checks = {
         "no errors": not result["errors"],
         "engine idle at the end": result["idle_at_end"],
-        f"engine RSS growth after warm-up < {args.max_growth:.0%}": result["engine_rss_mib"]["growth"] < args.max_growth,
+        f"engine RSS growth after warm-up < {args.max_growth:.0%}": result["engine_rss_mib"]["growth"]
+        < args.max_growth,
         "chatapp serve exited cleanly": code == 0,
     }
     for name, ok in checks.items():

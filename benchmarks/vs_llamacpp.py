@@ -109,11 +109,19 @@ async def sse_chunks(resp: httpx.Response):
             yield json.loads(line[6:])
 
 
-async def stream_completion(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int,
-                            ignore_eos: bool = True) -> tuple[float, list[float], int]:
+async def stream_completion(
+    client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int, ignore_eos: bool = True
+) -> tuple[float, list[float], int]:
     """(start, arrival time of each streamed token chunk, completion tokens) of one streamed completion."""
-    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     arrivals: list[float] = []
     completion_tokens = 0
@@ -127,7 +135,9 @@ async def stream_completion(client: httpx.AsyncClient, server: Server, prompt: s
     return start, arrivals, completion_tokens or len(arrivals)
 
 
-async def chat_ttft(client: httpx.AsyncClient, server: Server, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+async def chat_ttft(
+    client: httpx.AsyncClient, server: Server, messages: list[dict], max_tokens: int
+) -> tuple[float, str]:
     body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     start = time.perf_counter()
     first = None
@@ -169,7 +179,9 @@ async def measure_prompt(server: Server, tokens: int = 512, runs: int = 3) -> fl
 async def measure_concurrent(server: Server) -> tuple[float, float, dict | None]:
     prompts = [make_text(150, seed=500 + i) for i in range(CONCURRENT)]  # ~200 tokens each
     before = await server.stats_fn() if server.stats_fn else None
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=CONCURRENT * 2, max_keepalive_connections=0)) as client:
+    async with httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=CONCURRENT * 2, max_keepalive_connections=0)
+    ) as client:
         start = time.perf_counter()
         results = await asyncio.gather(*(stream_completion(client, server, p, NEW_TOKENS) for p in prompts))
         wall = time.perf_counter() - start
@@ -199,8 +211,11 @@ async def measure_follow_up(server: Server) -> float:
 
 
 def measure(server: Server, with_concurrency: bool) -> dict:
-    out = {"decode": asyncio.run(measure_decode(server)), "prompt": asyncio.run(measure_prompt(server)),
-           "follow_up_ttft": asyncio.run(measure_follow_up(server))}
+    out = {
+        "decode": asyncio.run(measure_decode(server)),
+        "prompt": asyncio.run(measure_prompt(server)),
+        "follow_up_ttft": asyncio.run(measure_follow_up(server)),
+    }
     if with_concurrency:
         out["concurrent"], out["concurrent_ttft"], out["overhead"] = asyncio.run(measure_concurrent(server))
     return out
@@ -220,6 +235,7 @@ def main() -> None:
     ours_url = f"http://127.0.0.1:{args.port}"
     env = dict(os.environ, CHATAPP_RUNTIME_DIR=tempfile.mkdtemp(prefix="chatapp-bench-"))
     with run_server([sys.executable, "-m", "chatapp", "serve", "--port", str(args.port)], ours_url, env):
+
         async def our_stats() -> dict:
             async with httpx.AsyncClient() as c:
                 text = (await c.get(f"{ours_url}/metrics")).text
@@ -228,17 +244,18 @@ def main() -> None:
                 if line and not line.startswith("#"):
                     name, _, value = line.rpartition(" ")
                     values[name.split("{")[0]] = float(value)
-            return {"busy_loop_seconds_total": values["chatapp_busy_loop_seconds_total"],
-                    "forward_seconds_total": values["chatapp_forward_seconds_total"],
-                    "step_seconds_total": values["chatapp_step_seconds_total"]}
+            return {
+                "busy_loop_seconds_total": values["chatapp_busy_loop_seconds_total"],
+                "forward_seconds_total": values["chatapp_forward_seconds_total"],
+                "step_seconds_total": values["chatapp_step_seconds_total"],
+            }
 
         results["ours"] = measure(Server("ours", ours_url, BUNDLED_NAME, our_stats), True)
 
     llama = os.environ.get("LLAMA_SERVER")
     if llama:
         url = f"http://127.0.0.1:{args.port + 1}"
-        base = [llama, "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads), "--port",
-                str(args.port + 1)]
+        base = [llama, "-m", str(gguf), "-t", str(args.threads), "-tb", str(args.threads), "--port", str(args.port + 1)]
         with run_server(base + ["-c", "4096", "-np", "1"], url, LLAMA_ENV):  # one slot keeps the conversation cached
             results["llama.cpp"] = measure(Server("llama.cpp", url, BUNDLED_NAME), False)
         with run_server(base + ["-c", str(CONCURRENT * 512), "-np", str(CONCURRENT)], url, LLAMA_ENV):
@@ -266,9 +283,11 @@ def main() -> None:
     row(f"{CONCURRENT} concurrent chats, mean TTFT", "concurrent_ttft", "ms", False, "(goal: ours <= 0.5x theirs)")
     row("follow-up TTFT, ~2,000-token conversation", "follow_up_ttft", "ms", False, "(goal: ours <= 0.5x theirs)")
     if ours.get("overhead"):
-        print(f"engine overhead at {CONCURRENT}-way decode: {ours['overhead']['outside_forward']:.1%} of busy time "
-              f"outside the model forward ({ours['overhead']['outside_step']:.1%} outside core.step: IPC and "
-              f"housekeeping) (goal < 10%)")
+        print(
+            f"engine overhead at {CONCURRENT}-way decode: {ours['overhead']['outside_forward']:.1%} of busy time "
+            f"outside the model forward ({ours['overhead']['outside_step']:.1%} outside core.step: IPC and "
+            f"housekeeping) (goal < 10%)"
+        )
 
 
 if __name__ == "__main__":

@@ -22,10 +22,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_engine_options(parser: argparse.ArgumentParser, default: object = None) -> None:
     """--max-model-len and --kv-cache-gib (over settings.toml's [engine]); used when the engine starts."""
-    parser.add_argument("--max-model-len", type=_positive(int), default=default, metavar="TOKENS",
-                        help="context length in tokens (default: settings, else the model's own, held to memory)")
-    parser.add_argument("--kv-cache-gib", type=_positive(float), default=default, metavar="GIB",
-                        help="the most memory the KV cache may take (default: settings, else sized to the context)")
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive(int),
+        default=default,
+        metavar="TOKENS",
+        help="context length in tokens (default: settings, else the model's own, held to memory)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=_positive(float),
+        default=default,
+        metavar="GIB",
+        help="the most memory the KV cache may take (default: settings, else sized to the context)",
+    )
 
 
 def _positive(kind: type) -> object:
@@ -51,8 +61,10 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     handler = getattr(args, "handler", None)
     try:
         if handler is not None:

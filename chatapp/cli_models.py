@@ -10,7 +10,8 @@ import argparse
 import functools
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from chatapp.model_facts import estimate_for, format_bytes, format_count
 
@@ -20,8 +21,9 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    models = sub.add_parser("models", help="list, pull, remove and inspect models",
-                            description="Manage the models chatapp can run.")
+    models = sub.add_parser(
+        "models", help="list, pull, remove and inspect models", description="Manage the models chatapp can run."
+    )
     models.set_defaults(handler=lambda args: models.print_help())
     cmds = models.add_subparsers(dest="models_command", metavar="ACTION")
 
@@ -93,9 +95,8 @@ def _status(facts: Any) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from chatapp.store import list_models
-
     from chatapp.model_facts import available_memory
+    from chatapp.store import list_models
 
     available = available_memory()
     rows = []
@@ -103,13 +104,26 @@ def cmd_list(args: argparse.Namespace) -> int:
         f = m.facts
         estimate = estimate_for(f, available_bytes=available) if f.supported else None
         memory = f"{format_bytes(estimate.total_bytes)} ({estimate.label})" if estimate else "?"
-        rows.append([m.name, m.source, f.architecture or f.family or "?", format_count(f.parameters),
-                     format_bytes(m.size_bytes), f.quantization or "?",
-                     str(f.context_length) if f.context_length else "?", memory, _status(f)])
+        rows.append(
+            [
+                m.name,
+                m.source,
+                f.architecture or f.family or "?",
+                format_count(f.parameters),
+                format_bytes(m.size_bytes),
+                f.quantization or "?",
+                str(f.context_length) if f.context_length else "?",
+                memory,
+                _status(f),
+            ]
+        )
     print(_table(rows, ["NAME", "SOURCE", "ARCHITECTURE", "PARAMS", "SIZE", "QUANT", "CONTEXT", "MEMORY", "STATUS"]))
     # On stderr: stdout stays one table for scripts to parse.
-    print(f"MEMORY: weights + KV cache at the model's context (held to what fits); "
-          f"{format_bytes(available)} available now", file=sys.stderr)
+    print(
+        f"MEMORY: weights + KV cache at the model's context (held to what fits); "
+        f"{format_bytes(available)} available now",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -152,8 +166,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
     again = f"run `chatapp models pull {args.spec}` again to continue"
     need = hub.bytes_to_download(plan)
-    with tqdm(total=plan.total_bytes, initial=plan.total_bytes - need, unit="B", unit_scale=True,
-              desc=f"pulling {plan.name}", disable=None) as bar:  # None: only on a terminal
+    with tqdm(
+        total=plan.total_bytes,
+        initial=plan.total_bytes - need,
+        unit="B",
+        unit_scale=True,
+        desc=f"pulling {plan.name}",
+        disable=None,
+    ) as bar:  # None: only on a terminal
         try:
             path = hub.download_plan(plan, progress=bar.update)
         except KeyboardInterrupt:
@@ -170,8 +190,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
         facts = facts_from_gguf(path)
         if not facts.supported:
-            _error(f"chatapp cannot run {plan.name}: {facts.reason}; remove it with "
-                   f"`chatapp models rm {plan.name}`")
+            _error(f"chatapp cannot run {plan.name}: {facts.reason}; remove it with `chatapp models rm {plan.name}`")
             return 1
         estimate = estimate_for(facts)
         if estimate:
@@ -210,9 +229,17 @@ def cmd_search(args: argparse.Namespace) -> int:
     from chatapp.hub import search_models
 
     results = search_models(args.query, limit=args.limit)
-    rows = [[r.repo_id, r.format, r.architecture or "?", format_count(r.parameters),
-             f"{r.downloads:,}" if r.downloads is not None else "?",
-             format_bytes(r.estimate.total_bytes) if r.estimate else "?", r.label + (" (gated)" if r.gated else "")]
-            for r in results]
+    rows = [
+        [
+            r.repo_id,
+            r.format,
+            r.architecture or "?",
+            format_count(r.parameters),
+            f"{r.downloads:,}" if r.downloads is not None else "?",
+            format_bytes(r.estimate.total_bytes) if r.estimate else "?",
+            r.label + (" (gated)" if r.gated else ""),
+        ]
+        for r in results
+    ]
     print(_table(rows, ["REPO", "FORMAT", "ARCHITECTURE", "PARAMS", "DOWNLOADS", "MEMORY", "FIT"]))
     return 0

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -140,8 +140,7 @@ class Backend:
         return cls("local")
 
     @classmethod
-    def remote(cls, base_url: str | None = None, *, endpoint: str | None = None,
-               api_key: str | None = None) -> Backend:
+    def remote(cls, base_url: str | None = None, *, endpoint: str | None = None, api_key: str | None = None) -> Backend:
         return cls("remote", base_url=base_url, endpoint=endpoint, api_key=api_key)
 
 
@@ -156,8 +155,9 @@ class Metrics:
     """Time to first token, in milliseconds."""
 
     def is_empty(self) -> bool:
-        return all(v is None for v in (self.prompt_tokens, self.completion_tokens,
-                                       self.tokens_per_second, self.ttft_ms))
+        return all(
+            v is None for v in (self.prompt_tokens, self.completion_tokens, self.tokens_per_second, self.ttft_ms)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +401,7 @@ if hasattr(os, "register_at_fork"):
 
 # -- helpers --------------------------------------------------------------------
 
+
 class _Unset:
     """Marks an update_session argument that was not given (None is a real value there)."""
 
@@ -431,7 +432,7 @@ def _reason(exc: sqlite3.Error) -> str:
 
 
 def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).isoformat()
+    return datetime.fromtimestamp(t, UTC).isoformat()
 
 
 def _from_iso(text: Any, what: str) -> float:
@@ -440,7 +441,7 @@ def _from_iso(text: Any, what: str) -> float:
     except (TypeError, ValueError):
         raise HistoryFormatError(f"{what}: expected an ISO 8601 time, got {text!r}") from None
     if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=timezone.utc)
+        parsed = parsed.replace(tzinfo=UTC)
     return parsed.timestamp()
 
 
@@ -506,8 +507,9 @@ class HistoryStore:
             try:
                 self._writer = _WriterLock(self._writer_dir)
             except OSError as exc:
-                raise HistoryOpenError(f"cannot create a lock file next to the chat history {self.db_path}: "
-                                       f"{exc}") from None
+                raise HistoryOpenError(
+                    f"cannot create a lock file next to the chat history {self.db_path}: {exc}"
+                ) from None
             _WriterLock.sweep(self._writer_dir)
             with suppress(HistoryWriteError):  # e.g. disk full: the history can still be read; retried next open
                 self._recover_orphans()
@@ -523,8 +525,9 @@ class HistoryStore:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.db_path, timeout=self._busy_timeout_s, isolation_level=None,
-                                   check_same_thread=False)
+            conn = sqlite3.connect(
+                self.db_path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
         except sqlite3.Error as exc:
             raise HistoryOpenError(f"cannot open the chat history {self.db_path}: {_reason(exc)}") from None
         try:
@@ -576,12 +579,16 @@ class HistoryStore:
     def _recover_orphans(self) -> None:
         """Mark answers whose writer died mid-stream ``incomplete``, keeping their text."""
         with self._write() as conn:
-            writers = [row[0] for row in conn.execute(
-                "SELECT DISTINCT writer FROM messages WHERE status = 'streaming'")]
+            writers = [
+                row[0] for row in conn.execute("SELECT DISTINCT writer FROM messages WHERE status = 'streaming'")
+            ]
             for writer in writers:
                 if not _WriterLock.is_alive(self._writer_dir, writer):
-                    conn.execute("UPDATE messages SET status = 'incomplete', writer = NULL "
-                                 "WHERE status = 'streaming' AND writer IS ?", (writer,))
+                    conn.execute(
+                        "UPDATE messages SET status = 'incomplete', writer = NULL "
+                        "WHERE status = 'streaming' AND writer IS ?",
+                        (writer,),
+                    )
 
     def close(self) -> None:
         """Close the file. Answers this store was still streaming are kept, marked ``incomplete``."""
@@ -589,8 +596,11 @@ class HistoryStore:
             if self._conn is not None and self._writer is not None:
                 with suppress(HistoryError):
                     with self._write() as conn:
-                        conn.execute("UPDATE messages SET status = 'incomplete', writer = NULL "
-                                     "WHERE status = 'streaming' AND writer = ?", (self._writer.token,))
+                        conn.execute(
+                            "UPDATE messages SET status = 'incomplete', writer = NULL "
+                            "WHERE status = 'streaming' AND writer = ?",
+                            (self._writer.token,),
+                        )
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
@@ -628,7 +638,8 @@ class HistoryStore:
                         conn.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.IntegrityError):
                     raise HistoryWriteError(
-                        f"could not save to the chat history {self.db_path}: {_reason(exc)}") from None
+                        f"could not save to the chat history {self.db_path}: {_reason(exc)}"
+                    ) from None
                 raise
 
     @contextmanager
@@ -652,29 +663,95 @@ class HistoryStore:
 
     # -- row conversion ------------------------------------------------------------------
 
-    _SESSION_COLUMNS: Final = ", ".join((
-        "id", "title", "created_at", "updated_at", "position", "model", "system_prompt", "sampling",
-        "backend_kind", "backend_url", "backend_endpoint", "backend_api_key", "selected_leaf_id", "archived"))
+    _SESSION_COLUMNS: Final = ", ".join(
+        (
+            "id",
+            "title",
+            "created_at",
+            "updated_at",
+            "position",
+            "model",
+            "system_prompt",
+            "sampling",
+            "backend_kind",
+            "backend_url",
+            "backend_endpoint",
+            "backend_api_key",
+            "selected_leaf_id",
+            "archived",
+        )
+    )
     _MESSAGE_FIELDS: Final = (
-        "id", "session_id", "parent_id", "role", "content", "status", "created_at", "model",
-        "prompt_tokens", "completion_tokens", "tokens_per_second", "ttft_ms", "error")
+        "id",
+        "session_id",
+        "parent_id",
+        "role",
+        "content",
+        "status",
+        "created_at",
+        "model",
+        "prompt_tokens",
+        "completion_tokens",
+        "tokens_per_second",
+        "ttft_ms",
+        "error",
+    )
     _MESSAGE_COLUMNS: Final = ", ".join(_MESSAGE_FIELDS)
     _MESSAGE_COLUMNS_M: Final = ", ".join("m." + name for name in _MESSAGE_FIELDS)
 
     @staticmethod
     def _session(row: tuple[Any, ...]) -> Session:
-        (sid, title, created, updated, position, model, system_prompt, sampling,
-         kind, url, endpoint, api_key, leaf, archived) = row
-        return Session(sid, title, created, updated, position, model, system_prompt, json.loads(sampling),
-                       Backend(kind, url, endpoint, api_key), leaf, bool(archived))
+        (
+            sid,
+            title,
+            created,
+            updated,
+            position,
+            model,
+            system_prompt,
+            sampling,
+            kind,
+            url,
+            endpoint,
+            api_key,
+            leaf,
+            archived,
+        ) = row
+        return Session(
+            sid,
+            title,
+            created,
+            updated,
+            position,
+            model,
+            system_prompt,
+            json.loads(sampling),
+            Backend(kind, url, endpoint, api_key),
+            leaf,
+            bool(archived),
+        )
 
     @staticmethod
     def _message(row: tuple[Any, ...]) -> Message:
-        (mid, sid, parent, role, content, status, created, model,
-         prompt_tokens, completion_tokens, tps, ttft, error) = row
+        (
+            mid,
+            sid,
+            parent,
+            role,
+            content,
+            status,
+            created,
+            model,
+            prompt_tokens,
+            completion_tokens,
+            tps,
+            ttft,
+            error,
+        ) = row
         metrics = Metrics(prompt_tokens, completion_tokens, tps, ttft)
-        return Message(mid, sid, parent, role, content, status, created, model,
-                       None if metrics.is_empty() else metrics, error)
+        return Message(
+            mid, sid, parent, role, content, status, created, model, None if metrics.is_empty() else metrics, error
+        )
 
     def _get_session(self, conn: sqlite3.Connection, session_id: int) -> Session:
         row = conn.execute(f"SELECT {self._SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
@@ -690,8 +767,15 @@ class HistoryStore:
 
     # -- sessions -------------------------------------------------------------------
 
-    def create_session(self, title: str = "", *, model: str | None = None, system_prompt: str = "",
-                       sampling: Mapping[str, Any] | None = None, backend: Backend | None = None) -> Session:
+    def create_session(
+        self,
+        title: str = "",
+        *,
+        model: str | None = None,
+        system_prompt: str = "",
+        sampling: Mapping[str, Any] | None = None,
+        backend: Backend | None = None,
+    ) -> Session:
         """A new session, placed after the other panes."""
         backend = backend or Backend.local()
         sampling_json = _sampling_json(sampling)
@@ -701,8 +785,20 @@ class HistoryStore:
             cursor = conn.execute(
                 "INSERT INTO sessions (title, created_at, updated_at, position, model, system_prompt, sampling, "
                 "backend_kind, backend_url, backend_endpoint, backend_api_key) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (title, now, now, position, model, system_prompt, sampling_json,
-                 backend.kind, backend.base_url, backend.endpoint, backend.api_key))
+                (
+                    title,
+                    now,
+                    now,
+                    position,
+                    model,
+                    system_prompt,
+                    sampling_json,
+                    backend.kind,
+                    backend.base_url,
+                    backend.endpoint,
+                    backend.api_key,
+                ),
+            )
             return self._get_session(conn, cursor.lastrowid)
 
     def get_session(self, session_id: int) -> Session:
@@ -719,9 +815,17 @@ class HistoryStore:
     def rename_session(self, session_id: int, title: str) -> Session:
         return self.update_session(session_id, title=title)
 
-    def update_session(self, session_id: int, *, title: str = _UNSET, model: str | None = _UNSET,
-                       system_prompt: str = _UNSET, sampling: Mapping[str, Any] | None = _UNSET,
-                       backend: Backend = _UNSET, archived: bool = _UNSET) -> Session:
+    def update_session(
+        self,
+        session_id: int,
+        *,
+        title: str = _UNSET,
+        model: str | None = _UNSET,
+        system_prompt: str = _UNSET,
+        sampling: Mapping[str, Any] | None = _UNSET,
+        backend: Backend = _UNSET,
+        archived: bool = _UNSET,
+    ) -> Session:
         """Change only the fields given. Archiving or restoring moves the session to the end."""
         changes: dict[str, Any] = {}
         if title is not _UNSET:
@@ -735,8 +839,12 @@ class HistoryStore:
         if backend is not _UNSET:
             if not isinstance(backend, Backend):
                 raise ValueError("backend must be a Backend")
-            changes.update(backend_kind=backend.kind, backend_url=backend.base_url,
-                           backend_endpoint=backend.endpoint, backend_api_key=backend.api_key)
+            changes.update(
+                backend_kind=backend.kind,
+                backend_url=backend.base_url,
+                backend_endpoint=backend.endpoint,
+                backend_api_key=backend.api_key,
+            )
         with self._write() as conn:
             old = self._get_session(conn, session_id)
             if archived is not _UNSET and bool(archived) != old.archived:
@@ -757,8 +865,9 @@ class HistoryStore:
             shown = [sid for sid, archived in rows if not archived and sid != session_id]
             shown.insert(max(0, min(index, len(shown))), session_id)
             hidden = [sid for sid, archived in rows if archived]
-            conn.executemany("UPDATE sessions SET position = ? WHERE id = ?",
-                             [(pos, sid) for pos, sid in enumerate(shown + hidden)])
+            conn.executemany(
+                "UPDATE sessions SET position = ? WHERE id = ?", [(pos, sid) for pos, sid in enumerate(shown + hidden)]
+            )
         return self.list_sessions()
 
     def delete_session(self, session_id: int) -> None:
@@ -769,8 +878,17 @@ class HistoryStore:
 
     # -- messages ---------------------------------------------------------------------
 
-    def add_message(self, session_id: int, parent_id: int | None, role: Role, content: str, *,
-                    model: str | None = None, status: Status = "complete", select: bool = True) -> Message:
+    def add_message(
+        self,
+        session_id: int,
+        parent_id: int | None,
+        role: Role,
+        content: str,
+        *,
+        model: str | None = None,
+        status: Status = "complete",
+        select: bool = True,
+    ) -> Message:
         """Add a message under ``parent_id`` (None: a new root) and, by default, show its branch.
 
         Editing a message or regenerating an answer is simply adding a
@@ -784,23 +902,26 @@ class HistoryStore:
             if parent_id is not None:
                 parent = self._get_message(conn, parent_id)
                 if parent.session_id != session_id:
-                    raise ValueError(f"message {parent_id} belongs to session {parent.session_id}, "
-                                     f"not {session_id}")
+                    raise ValueError(f"message {parent_id} belongs to session {parent.session_id}, not {session_id}")
             writer = self._writer.token if status == "streaming" and self._writer else None
             cursor = conn.execute(
                 "INSERT INTO messages (session_id, parent_id, role, content, status, created_at, model, writer) "
-                "VALUES (?,?,?,?,?,?,?,?)", (session_id, parent_id, role, content, status, now, model, writer))
+                "VALUES (?,?,?,?,?,?,?,?)",
+                (session_id, parent_id, role, content, status, now, model, writer),
+            )
             message_id = cursor.lastrowid
             selected = ", selected_leaf_id = ?" if select else ""
-            conn.execute(f"UPDATE sessions SET updated_at = ?{selected} WHERE id = ?",
-                         (now, message_id, session_id) if select else (now, session_id))
+            conn.execute(
+                f"UPDATE sessions SET updated_at = ?{selected} WHERE id = ?",
+                (now, message_id, session_id) if select else (now, session_id),
+            )
             return self._get_message(conn, message_id)
 
-    def start_answer(self, session_id: int, parent_id: int, *, model: str | None = None,
-                     select: bool = True) -> Message:
+    def start_answer(
+        self, session_id: int, parent_id: int, *, model: str | None = None, select: bool = True
+    ) -> Message:
         """An empty assistant message with status ``streaming``, saved before the first token."""
-        return self.add_message(session_id, parent_id, "assistant", "", model=model, status="streaming",
-                                select=select)
+        return self.add_message(session_id, parent_id, "assistant", "", model=model, status="streaming", select=select)
 
     def update_partial(self, message_id: int, content: str) -> None:
         """Save the text a streaming answer has so far (the whole text, not a delta).
@@ -809,14 +930,22 @@ class HistoryStore:
         one small UPDATE and leaves the search index alone until the end.
         """
         with self._write() as conn:
-            changed = conn.execute("UPDATE messages SET content = ? WHERE id = ? AND status = 'streaming'",
-                                   (content, message_id)).rowcount
+            changed = conn.execute(
+                "UPDATE messages SET content = ? WHERE id = ? AND status = 'streaming'", (content, message_id)
+            ).rowcount
             if not changed:
                 message = self._get_message(conn, message_id)
                 raise HistoryError(f"message {message_id} is not streaming (it is {message.status})")
 
-    def finish_message(self, message_id: int, content: str, *, status: Status = "complete",
-                       metrics: Metrics | None = None, error: str | None = None) -> Message:
+    def finish_message(
+        self,
+        message_id: int,
+        content: str,
+        *,
+        status: Status = "complete",
+        metrics: Metrics | None = None,
+        error: str | None = None,
+    ) -> Message:
         """Store an answer's final text, status and metrics."""
         _check_choice(status, FINAL_STATUSES, "a finished message's status")
         metrics = metrics or Metrics()
@@ -826,8 +955,17 @@ class HistoryStore:
             conn.execute(
                 "UPDATE messages SET content = ?, status = ?, writer = NULL, error = ?, prompt_tokens = ?, "
                 "completion_tokens = ?, tokens_per_second = ?, ttft_ms = ? WHERE id = ?",
-                (content, status, error, metrics.prompt_tokens, metrics.completion_tokens,
-                 metrics.tokens_per_second, metrics.ttft_ms, message_id))
+                (
+                    content,
+                    status,
+                    error,
+                    metrics.prompt_tokens,
+                    metrics.completion_tokens,
+                    metrics.tokens_per_second,
+                    metrics.ttft_ms,
+                    message_id,
+                ),
+            )
             conn.execute("UPDATE sessions SET updated_at = ? WHERE id = ?", (now, message.session_id))
             return self._get_message(conn, message_id)
 
@@ -846,8 +984,9 @@ class HistoryStore:
 
     # -- the tree --------------------------------------------------------------------
 
-    _SUBTREE: Final = ("WITH RECURSIVE down(id) AS (SELECT ? UNION ALL "
-                        "SELECT m.id FROM messages m JOIN down ON m.parent_id = down.id)")
+    _SUBTREE: Final = (
+        "WITH RECURSIVE down(id) AS (SELECT ? UNION ALL SELECT m.id FROM messages m JOIN down ON m.parent_id = down.id)"
+    )
     """A CTE naming the ids of a message and everything below it."""
 
     def _path(self, conn: sqlite3.Connection, leaf_id: int) -> list[Message]:
@@ -858,7 +997,9 @@ class HistoryStore:
                     SELECT m.parent_id, up.depth + 1 FROM messages m JOIN up ON m.id = up.id
                     WHERE m.parent_id IS NOT NULL)
                 SELECT {self._MESSAGE_COLUMNS_M}
-                FROM up JOIN messages m ON m.id = up.id ORDER BY up.depth DESC""", (leaf_id,))
+                FROM up JOIN messages m ON m.id = up.id ORDER BY up.depth DESC""",
+            (leaf_id,),
+        )
         return [self._message(row) for row in rows]
 
     def _shown_leaf(self, conn: sqlite3.Connection, session: Session) -> int | None:
@@ -885,20 +1026,25 @@ class HistoryStore:
             if message_id is None:
                 if session_id is None:
                     raise ValueError("children(None) needs the session_id whose roots to list")
-                rows = conn.execute(f"SELECT {self._MESSAGE_COLUMNS} FROM messages "
-                                    "WHERE session_id = ? AND parent_id IS NULL ORDER BY id", (session_id,))
+                rows = conn.execute(
+                    f"SELECT {self._MESSAGE_COLUMNS} FROM messages "
+                    "WHERE session_id = ? AND parent_id IS NULL ORDER BY id",
+                    (session_id,),
+                )
             else:
-                rows = conn.execute(f"SELECT {self._MESSAGE_COLUMNS} FROM messages "
-                                    "WHERE parent_id = ? ORDER BY id", (message_id,))
+                rows = conn.execute(
+                    f"SELECT {self._MESSAGE_COLUMNS} FROM messages WHERE parent_id = ? ORDER BY id", (message_id,)
+                )
             return [self._message(row) for row in rows]
 
     def siblings(self, message_id: int) -> Siblings:
         """The branches of this message's turn (same parent), oldest first, and its index among them."""
         with self._read(snapshot=True) as conn:
             message = self._get_message(conn, message_id)
-            rows = conn.execute(f"SELECT {self._MESSAGE_COLUMNS} FROM messages "
-                                "WHERE session_id = ? AND parent_id IS ? ORDER BY id",
-                                (message.session_id, message.parent_id))
+            rows = conn.execute(
+                f"SELECT {self._MESSAGE_COLUMNS} FROM messages WHERE session_id = ? AND parent_id IS ? ORDER BY id",
+                (message.session_id, message.parent_id),
+            )
             messages = [self._message(row) for row in rows]
         return Siblings(messages, [m.id for m in messages].index(message_id))
 
@@ -947,17 +1093,20 @@ class HistoryStore:
         hits: dict[int, SearchHit] = {}
         with self._read(snapshot=True) as conn:
             for sid, title, snippet in conn.execute(
-                    "SELECT s.id, s.title, highlight(session_search, 0, ?, ?) "
-                    "FROM session_search JOIN sessions s ON s.id = session_search.rowid "
-                    "WHERE session_search MATCH ? ORDER BY bm25(session_search), s.id LIMIT ?",
-                    (*mark, match, limit)):
+                "SELECT s.id, s.title, highlight(session_search, 0, ?, ?) "
+                "FROM session_search JOIN sessions s ON s.id = session_search.rowid "
+                "WHERE session_search MATCH ? ORDER BY bm25(session_search), s.id LIMIT ?",
+                (*mark, match, limit),
+            ):
                 hits.setdefault(sid, SearchHit(sid, title, None, snippet))
             if len(hits) < limit:
                 rows = conn.execute(
                     "SELECT m.session_id, s.title, m.id, snippet(message_search, 0, ?, ?, '…', 16) "
                     "FROM message_search JOIN messages m ON m.id = message_search.rowid "
                     "JOIN sessions s ON s.id = m.session_id "
-                    "WHERE message_search MATCH ? ORDER BY bm25(message_search), m.id", (*mark, match))
+                    "WHERE message_search MATCH ? ORDER BY bm25(message_search), m.id",
+                    (*mark, match),
+                )
                 for sid, title, mid, snippet in rows:
                     hits.setdefault(sid, SearchHit(sid, title, mid, snippet))
                     if len(hits) >= limit:
@@ -981,11 +1130,15 @@ class HistoryStore:
         """
         with self._read(snapshot=True) as conn:
             session = self._get_session(conn, session_id)
-            rows = conn.execute(f"SELECT {self._MESSAGE_COLUMNS} FROM messages WHERE session_id = ? ORDER BY id",
-                                (session_id,))
+            rows = conn.execute(
+                f"SELECT {self._MESSAGE_COLUMNS} FROM messages WHERE session_id = ? ORDER BY id", (session_id,)
+            )
             messages = [self._message(row) for row in rows]
-        backend = {"kind": session.backend.kind, "base_url": session.backend.base_url,
-                   "endpoint": session.backend.endpoint}
+        backend = {
+            "kind": session.backend.kind,
+            "base_url": session.backend.base_url,
+            "endpoint": session.backend.endpoint,
+        }
         if include_secrets:
             backend["api_key"] = session.backend.api_key
         return {
@@ -1008,8 +1161,7 @@ class HistoryStore:
 
     def export_json(self, session_id: int, *, include_secrets: bool = False) -> str:
         """:meth:`export_dict` as indented JSON text."""
-        return json.dumps(self.export_dict(session_id, include_secrets=include_secrets),
-                          indent=2, ensure_ascii=False)
+        return json.dumps(self.export_dict(session_id, include_secrets=include_secrets), indent=2, ensure_ascii=False)
 
     def import_json(self, text: str | Mapping[str, Any]) -> Session:
         """Add a session from :meth:`export_json` output (new ids; it goes after the other panes).
@@ -1027,8 +1179,18 @@ class HistoryStore:
                 "INSERT INTO sessions (title, created_at, updated_at, position, model, system_prompt, sampling, "
                 "backend_kind, backend_url, backend_endpoint, backend_api_key, archived) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (session["title"], session["created_at"], session["updated_at"], position, session["model"],
-                 session["system_prompt"], session["sampling"], *session["backend"], session["archived"]))
+                (
+                    session["title"],
+                    session["created_at"],
+                    session["updated_at"],
+                    position,
+                    session["model"],
+                    session["system_prompt"],
+                    session["sampling"],
+                    *session["backend"],
+                    session["archived"],
+                ),
+            )
             new_session = cursor.lastrowid
             new_ids: dict[Any, int] = {}
             for old_id, m in messages:  # parents come before their replies (checked by _parse_export)
@@ -1036,12 +1198,23 @@ class HistoryStore:
                     "INSERT INTO messages (session_id, parent_id, role, content, status, created_at, model, "
                     "prompt_tokens, completion_tokens, tokens_per_second, ttft_ms, error) "
                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (new_session, new_ids.get(m["parent_id"]), m["role"], m["content"], m["status"],
-                     m["created_at"], m["model"], m["prompt_tokens"], m["completion_tokens"],
-                     m["tokens_per_second"], m["ttft_ms"], m["error"]))
+                    (
+                        new_session,
+                        new_ids.get(m["parent_id"]),
+                        m["role"],
+                        m["content"],
+                        m["status"],
+                        m["created_at"],
+                        m["model"],
+                        m["prompt_tokens"],
+                        m["completion_tokens"],
+                        m["tokens_per_second"],
+                        m["ttft_ms"],
+                        m["error"],
+                    ),
+                )
                 new_ids[old_id] = cursor.lastrowid
-            conn.execute("UPDATE sessions SET selected_leaf_id = ? WHERE id = ?",
-                         (new_ids.get(selected), new_session))
+            conn.execute("UPDATE sessions SET selected_leaf_id = ? WHERE id = ?", (new_ids.get(selected), new_session))
             return self._get_session(conn, new_session)
 
 
@@ -1086,7 +1259,7 @@ def _markdown(session: Session, messages: list[Message]) -> str:
     backend = session.backend
     where = "local engine" if backend.kind == "local" else (backend.endpoint or backend.base_url or "remote")
     lines.append(f"- Model: {session.model or 'default'} ({where})")
-    lines.append(f"- Started: {datetime.fromtimestamp(session.created_at, timezone.utc):%Y-%m-%d %H:%M} UTC")
+    lines.append(f"- Started: {datetime.fromtimestamp(session.created_at, UTC):%Y-%m-%d %H:%M} UTC")
     lines.append("")
     if session.system_prompt:
         lines += ["## System prompt", "", session.system_prompt, ""]
@@ -1104,8 +1277,7 @@ def _markdown(session: Session, messages: list[Message]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _field(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], where: str,
-           optional: bool = False) -> Any:
+def _field(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], where: str, optional: bool = False) -> Any:
     """obj[key] checked against ``kinds`` (a bool is not accepted as a number)."""
     value = obj.get(key)
     if value is None and optional:
@@ -1119,18 +1291,19 @@ def _field(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], whe
 def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, Any]]], Any]:
     """Validate an export and return (session columns, [(old id, message columns)], selected old id)."""
     if not isinstance(data, Mapping) or data.get("format") != EXPORT_FORMAT:
-        raise HistoryFormatError("not a chatapp session export (its \"format\" is not "
-                                 f"{EXPORT_FORMAT!r})")
+        raise HistoryFormatError(f'not a chatapp session export (its "format" is not {EXPORT_FORMAT!r})')
     if data.get("version") != EXPORT_VERSION:
-        raise HistoryFormatError(f"unsupported chatapp export version {data.get('version')!r} "
-                                 f"(this chatapp reads version {EXPORT_VERSION})")
+        raise HistoryFormatError(
+            f"unsupported chatapp export version {data.get('version')!r} (this chatapp reads version {EXPORT_VERSION})"
+        )
     s = data.get("session")
     if not isinstance(s, Mapping):
-        raise HistoryFormatError("the export has no \"session\" object")
+        raise HistoryFormatError('the export has no "session" object')
     b = _field(s, "backend", Mapping, "session")
     try:
-        backend = Backend(_field(b, "kind", str, "session.backend"), b.get("base_url"), b.get("endpoint"),
-                          b.get("api_key"))
+        backend = Backend(
+            _field(b, "kind", str, "session.backend"), b.get("base_url"), b.get("endpoint"), b.get("api_key")
+        )
     except (ValueError, TypeError) as exc:
         raise HistoryFormatError(f"session.backend: {exc}") from None
     try:
@@ -1149,7 +1322,7 @@ def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, 
     }
     raw_messages = data.get("messages")
     if not isinstance(raw_messages, list):
-        raise HistoryFormatError("the export has no \"messages\" list")
+        raise HistoryFormatError('the export has no "messages" list')
     seen: set[Any] = set()
     messages: list[tuple[Any, dict[str, Any]]] = []
     for i, m in enumerate(raw_messages):
@@ -1170,20 +1343,26 @@ def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, 
         metrics = m.get("metrics") or {}
         if not isinstance(metrics, Mapping):
             raise HistoryFormatError(f"{where}.metrics: expected an object")
-        messages.append((old_id, {
-            "parent_id": parent,
-            "role": role,
-            "content": _field(m, "content", str, where),
-            "status": "incomplete" if status == "streaming" else status,
-            "created_at": _from_iso(m.get("created_at"), f"{where}.created_at"),
-            "model": _field(m, "model", str, where, optional=True),
-            "prompt_tokens": _field(metrics, "prompt_tokens", int, f"{where}.metrics", optional=True),
-            "completion_tokens": _field(metrics, "completion_tokens", int, f"{where}.metrics", optional=True),
-            "tokens_per_second": _field(metrics, "tokens_per_second", (int, float), f"{where}.metrics",
-                                        optional=True),
-            "ttft_ms": _field(metrics, "ttft_ms", (int, float), f"{where}.metrics", optional=True),
-            "error": _field(m, "error", str, where, optional=True),
-        }))
+        messages.append(
+            (
+                old_id,
+                {
+                    "parent_id": parent,
+                    "role": role,
+                    "content": _field(m, "content", str, where),
+                    "status": "incomplete" if status == "streaming" else status,
+                    "created_at": _from_iso(m.get("created_at"), f"{where}.created_at"),
+                    "model": _field(m, "model", str, where, optional=True),
+                    "prompt_tokens": _field(metrics, "prompt_tokens", int, f"{where}.metrics", optional=True),
+                    "completion_tokens": _field(metrics, "completion_tokens", int, f"{where}.metrics", optional=True),
+                    "tokens_per_second": _field(
+                        metrics, "tokens_per_second", (int, float), f"{where}.metrics", optional=True
+                    ),
+                    "ttft_ms": _field(metrics, "ttft_ms", (int, float), f"{where}.metrics", optional=True),
+                    "error": _field(m, "error", str, where, optional=True),
+                },
+            )
+        )
     selected = s.get("selected_leaf_id")
     if selected is not None and selected not in seen:
         raise HistoryFormatError(f"session.selected_leaf_id: no message has id {selected!r}")

@@ -24,9 +24,10 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from chatapp.engine.models.gguf_file import GGUF_ARCHITECTURES
@@ -115,12 +116,12 @@ class HubModel:
 
     @property
     def label(self) -> str:
-        """"fits" / "will be slow" / "will not fit", or "size unknown"."""
+        """ "fits" / "will be slow" / "will not fit", or "size unknown"."""
         return self.estimate.label if self.estimate else "size unknown"
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:
-    """"owner/name" or "owner/name:file.gguf" -> (repo_id, file or None)."""
+    """ "owner/name" or "owner/name:file.gguf" -> (repo_id, file or None)."""
     repo_id, sep, filename = spec.strip().partition(":")
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo_id) or ".." in repo_id:
         raise HubError(f"{spec!r} is not a Hugging Face repo id; expected owner/name or owner/name:file.gguf")
@@ -142,8 +143,10 @@ def _require_online() -> None:
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
-        raise HubError("offline mode is on (HF_HUB_OFFLINE=1), so the Hub cannot be reached; models already "
-                       "downloaded still work: see `chatapp models list`")
+        raise HubError(
+            "offline mode is on (HF_HUB_OFFLINE=1), so the Hub cannot be reached; models already "
+            "downloaded still work: see `chatapp models list`"
+        )
 
 
 def explain(exc: BaseException, repo_id: str | None = None) -> str | None:
@@ -153,8 +156,7 @@ def explain(exc: BaseException, repo_id: str | None = None) -> str | None:
 
     what = repo_id or "the repo"
     if isinstance(exc, errors.OfflineModeIsEnabled):
-        return ("offline mode is on (HF_HUB_OFFLINE=1); models already downloaded still work: "
-                "see `chatapp models list`")
+        return "offline mode is on (HF_HUB_OFFLINE=1); models already downloaded still work: see `chatapp models list`"
     if isinstance(exc, errors.GatedRepoError):
         return f"{what} is gated: ask for access on {_endpoint()}/{repo_id or ''}, then {LOGIN_HINT}"
     if isinstance(exc, errors.RepositoryNotFoundError):
@@ -173,8 +175,10 @@ def explain(exc: BaseException, repo_id: str | None = None) -> str | None:
         return f"the Hub answered an error for {what}: {first}"
     if isinstance(exc, (httpx2.TransportError, errors.LocalEntryNotFoundError)):
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return (f"cannot reach the Hugging Face Hub at {_endpoint()} ({detail}); check the network, "
-                "or use a model already downloaded (`chatapp models list`)")
+        return (
+            f"cannot reach the Hugging Face Hub at {_endpoint()} ({detail}); check the network, "
+            "or use a model already downloaded (`chatapp models list`)"
+        )
     return None
 
 
@@ -194,8 +198,9 @@ def _hub_call(repo_id: str | None, fn: Callable[..., T], *args: Any, **kwargs: A
 # --- planning ---------------------------------------------------------------------------------
 
 
-def plan_pull(spec: str, *, revision: str | None = None, token: str | bool | None = None,
-              available_bytes: int | None = None) -> PullPlan:
+def plan_pull(
+    spec: str, *, revision: str | None = None, token: str | bool | None = None, available_bytes: int | None = None
+) -> PullPlan:
     """Read the repo's file list and config from the Hub; refuse what the engine cannot run.
 
     Raises HubError (unsupported architecture, no usable weights, not found,
@@ -213,12 +218,21 @@ def plan_pull(spec: str, *, revision: str | None = None, token: str | bool | Non
         return _plan_gguf(repo_id, revision, commit, gguf_file, siblings, info.gguf, available_bytes)
     if "config.json" not in siblings:
         ggufs = sorted(name for name in siblings if name.endswith(".gguf"))
-        hint = (f"; it has GGUF files, pull one with `chatapp models pull {repo_id}:{ggufs[0]}`"
-                f"{f' (or one of {len(ggufs) - 1} others)' if len(ggufs) > 1 else ''}") if ggufs else ""
+        hint = (
+            (
+                f"; it has GGUF files, pull one with `chatapp models pull {repo_id}:{ggufs[0]}`"
+                f"{f' (or one of {len(ggufs) - 1} others)' if len(ggufs) > 1 else ''}"
+            )
+            if ggufs
+            else ""
+        )
         raise HubError(f"{repo_id} has no config.json, so it is not a Hugging Face transformers model{hint}")
     config = _hub_call(repo_id, _fetch_json, repo_id, "config.json", commit, token)
-    generation = (_hub_call(repo_id, _fetch_json, repo_id, "generation_config.json", commit, token)
-                  if "generation_config.json" in siblings else None)
+    generation = (
+        _hub_call(repo_id, _fetch_json, repo_id, "generation_config.json", commit, token)
+        if "generation_config.json" in siblings
+        else None
+    )
     params = info.safetensors.total if info.safetensors else None
     facts = facts_from_config(config, generation, parameters=params)
     if not facts.supported:
@@ -230,12 +244,22 @@ def plan_pull(spec: str, *, revision: str | None = None, token: str | bool | Non
     return PullPlan(repo_id, revision, commit, tuple(files), None, facts, estimate)
 
 
-def _plan_gguf(repo_id: str, revision: str, commit: str, filename: str, siblings: dict[str, Any],
-               gguf_info: dict[str, Any] | None, available_bytes: int | None) -> PullPlan:
+def _plan_gguf(
+    repo_id: str,
+    revision: str,
+    commit: str,
+    filename: str,
+    siblings: dict[str, Any],
+    gguf_info: dict[str, Any] | None,
+    available_bytes: int | None,
+) -> PullPlan:
     if filename not in siblings:
         ggufs = sorted(name for name in siblings if name.endswith(".gguf"))
-        have = f"; it has: {', '.join(ggufs[:8])}{' ...' if len(ggufs) > 8 else ''}" if ggufs else \
-            "; it has no .gguf files"
+        have = (
+            f"; it has: {', '.join(ggufs[:8])}{' ...' if len(ggufs) > 8 else ''}"
+            if ggufs
+            else "; it has no .gguf files"
+        )
         raise HubError(f"{repo_id} has no file {filename}{have}")
     facts = None
     estimate = None
@@ -262,8 +286,10 @@ def _weight_files(repo_id: str, commit: str, siblings: dict[str, Any], token: st
         shards = sorted(set(index.get("weight_map", {}).values()))
         missing = [s for s in shards if s not in siblings]
         if not shards or missing:
-            raise HubError(f"{repo_id}: {SAFETENSORS_INDEX} names shards the repo does not have "
-                           f"({', '.join(missing[:3]) or 'none'})")
+            raise HubError(
+                f"{repo_id}: {SAFETENSORS_INDEX} names shards the repo does not have "
+                f"({', '.join(missing[:3]) or 'none'})"
+            )
         return [SAFETENSORS_INDEX, *shards]
     shards = sorted(name for name in siblings if name.endswith(".safetensors") and "/" not in name)
     if not shards:
@@ -278,9 +304,12 @@ def _fetch_json(repo_id: str, filename: str, revision: str, token: str | bool | 
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    response = get_session().get(hf_hub_url(repo_id, filename, revision=revision),
-                                 headers=build_hf_headers(token=token), follow_redirects=True,
-                                 timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    response = get_session().get(
+        hf_hub_url(repo_id, filename, revision=revision),
+        headers=build_hf_headers(token=token),
+        follow_redirects=True,
+        timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+    )
     hf_raise_for_status(response)
     try:
         return response.json()
@@ -294,14 +323,17 @@ def _fetch_json(repo_id: str, filename: str, revision: str, token: str | bool | 
 def check_plan(plan: PullPlan, *, force: bool = False) -> None:
     """Refuse a model that will not fit in memory (unless ``force``) or on the disk."""
     if plan.estimate and plan.estimate.label == WONT_FIT and not force:
-        raise HubError(f"{plan.name} will not fit in memory here ({plan.estimate.describe()}); "
-                       "pass --force to download it anyway")
+        raise HubError(
+            f"{plan.name} will not fit in memory here ({plan.estimate.describe()}); pass --force to download it anyway"
+        )
     need = bytes_to_download(plan)
     cache = _hf_cache_dir()
     free = shutil.disk_usage(_existing_parent(cache)).free
     if need + DISK_MARGIN_BYTES > free:
-        raise HubError(f"not enough disk space for {plan.name} in {cache}: {format_bytes(need)} to download, "
-                       f"{format_bytes(free)} free")
+        raise HubError(
+            f"not enough disk space for {plan.name} in {cache}: {format_bytes(need)} to download, "
+            f"{format_bytes(free)} free"
+        )
 
 
 def bytes_to_download(plan: PullPlan) -> int:
@@ -320,8 +352,9 @@ def bytes_to_download(plan: PullPlan) -> int:
     return need
 
 
-def download_plan(plan: PullPlan, *, token: str | bool | None = None,
-                  progress: Callable[[int], None] | None = None) -> Path:
+def download_plan(
+    plan: PullPlan, *, token: str | bool | None = None, progress: Callable[[int], None] | None = None
+) -> Path:
     """Fetch the plan's files into the HF cache; returns the model directory (or the GGUF file).
 
     Files already in the cache are not fetched again; weight files resume
@@ -335,11 +368,19 @@ def download_plan(plan: PullPlan, *, token: str | bool | None = None,
     local: dict[str, Path] = {}
     for f in plan.files:
         if f.sha256:  # LFS: the big files
-            path = _hub_call(plan.repo_id, _download_resumable, plan.repo_id, f.name, plan.revision,
-                             token=token, tqdm_class=bars)
+            path = _hub_call(
+                plan.repo_id, _download_resumable, plan.repo_id, f.name, plan.revision, token=token, tqdm_class=bars
+            )
         else:
-            path = _hub_call(plan.repo_id, hf_hub_download, plan.repo_id, f.name, revision=plan.revision,
-                             token=token, tqdm_class=bars)
+            path = _hub_call(
+                plan.repo_id,
+                hf_hub_download,
+                plan.repo_id,
+                f.name,
+                revision=plan.revision,
+                token=token,
+                tqdm_class=bars,
+            )
         local[f.name] = Path(path)
     return local[plan.gguf_file] if plan.gguf_file else local["config.json"].parent
 
@@ -363,8 +404,14 @@ def _forwarding_tqdm(progress: Callable[[int], None]) -> type:
     return _Forwarding
 
 
-def pull(spec: str, *, revision: str | None = None, token: str | bool | None = None, force: bool = False,
-         progress: Callable[[int], None] | None = None) -> Path:
+def pull(
+    spec: str,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
     """Plan, check and download in one call; returns the model directory (or GGUF file)."""
     plan = plan_pull(spec, revision=revision, token=token)
     check_plan(plan, force=force)
@@ -389,8 +436,9 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def _download_resumable(repo_id: str, filename: str, revision: str, *, token: str | bool | None,
-                        tqdm_class: Any) -> str:
+def _download_resumable(
+    repo_id: str, filename: str, revision: str, *, token: str | bool | None, tqdm_class: Any
+) -> str:
     """Download one LFS file into the cache, continuing a partial ``<etag>.incomplete`` blob if present."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.file_download import repo_folder_name
@@ -412,8 +460,7 @@ def _download_resumable(repo_id: str, filename: str, revision: str, *, token: st
     return hf_hub_download(repo_id, filename, revision=revision, token=token)
 
 
-def _fetch_blob(url: str, meta: Any, blob: Path, filename: str, *, token: str | bool | None,
-                tqdm_class: Any) -> None:
+def _fetch_blob(url: str, meta: Any, blob: Path, filename: str, *, token: str | bool | None, tqdm_class: Any) -> None:
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
@@ -427,12 +474,18 @@ def _fetch_blob(url: str, meta: Any, blob: Path, filename: str, *, token: str | 
     with open(partial, "ab") as f:
         if resumed:
             log.info("resuming %s at byte %d", filename, f.tell())
-        http_get(meta.location, f, resume_size=f.tell(), headers=headers, expected_size=meta.size,
-                 displayed_filename=filename, tqdm_class=tqdm_class)
+        http_get(
+            meta.location,
+            f,
+            resume_size=f.tell(),
+            headers=headers,
+            expected_size=meta.size,
+            displayed_filename=filename,
+            tqdm_class=tqdm_class,
+        )
     if resumed and re.fullmatch(r"[0-9a-f]{64}", meta.etag) and _sha256(partial) != meta.etag:
         partial.unlink()
-        raise HubError(f"{filename} did not match its checksum after resuming, so the partial download "
-                       "was deleted")
+        raise HubError(f"{filename} did not match its checksum after resuming, so the partial download was deleted")
     os.replace(partial, blob)
 
 
@@ -447,8 +500,9 @@ def _sha256(path: Path) -> str:
 # --- search -----------------------------------------------------------------------------------
 
 
-def search_models(query: str = "", *, limit: int = 20, token: str | bool | None = None,
-                  available_bytes: int | None = None) -> list[HubModel]:
+def search_models(
+    query: str = "", *, limit: int = 20, token: str | bool | None = None, available_bytes: int | None = None
+) -> list[HubModel]:
     """Text-generation models on the Hub, most downloaded first, without those we know we cannot run.
 
     A result is left out when the listing names an architecture the engine
@@ -458,8 +512,13 @@ def search_models(query: str = "", *, limit: int = 20, token: str | bool | None 
 
     _require_online()
     listing = HfApi().list_models(
-        search=query or None, pipeline_tag="text-generation", sort="downloads", limit=limit * 3,
-        expand=["downloads", "likes", "config", "safetensors", "gguf", "gated", "tags"], token=token)
+        search=query or None,
+        pipeline_tag="text-generation",
+        sort="downloads",
+        limit=limit * 3,
+        expand=["downloads", "likes", "config", "safetensors", "gguf", "gated", "tags"],
+        token=token,
+    )
     results: list[HubModel] = []
 
     def collect() -> None:

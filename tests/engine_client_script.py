@@ -29,8 +29,9 @@ async def _collect(client: AsyncEngineClient, prompt: str, max_tokens: int) -> d
 
 
 async def _stream_forever(client: AsyncEngineClient, started: asyncio.Event) -> None:
-    async for _ in client.generate("Tell me everything", SamplingParams(temperature=0, max_tokens=100_000,
-                                                                         ignore_eos=True)):
+    async for _ in client.generate(
+        "Tell me everything", SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    ):
         started.set()
 
 

@@ -108,8 +108,12 @@ class FakeHub:
     def served(self, filename: str, method: str = "GET") -> list[Request]:
         """Requests that fetched `filename`'s bytes (from the resolve route or the CDN)."""
         names = {f"/cdn/{repo.sha256(filename)}" for repo in self.repos.values() if filename in repo.files}
-        return [r for r in self.requests if r.method == method and
-                (r.path.rsplit("?", 1)[0] in names or (r.path.endswith(f"/{filename}") and "/resolve/" in r.path))]
+        return [
+            r
+            for r in self.requests
+            if r.method == method
+            and (r.path.rsplit("?", 1)[0] in names or (r.path.endswith(f"/{filename}") and "/resolve/" in r.path))
+        ]
 
     def _take_interruption(self, filename: str) -> _Interruption | None:
         with self._lock:
@@ -135,8 +139,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
         # --- routing ---
 
         def _route(self, head: bool) -> None:
-            hub.requests.append(Request(self.command, self.path, self.headers.get("Range"),
-                                        self.headers.get("Authorization")))
+            hub.requests.append(
+                Request(self.command, self.path, self.headers.get("Range"), self.headers.get("Authorization"))
+            )
             url = urlsplit(self.path)
             path = unquote(url.path)
             query = parse_qs(url.query)
@@ -158,8 +163,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 self._error(401, None, "Invalid credentials in Authorization header")
                 return None
             repo = hub.repos.get(repo_id)
-            authorized = repo is not None and (repo.token is None or
-                                               self.headers.get("Authorization") == f"Bearer {repo.token}")
+            authorized = repo is not None and (
+                repo.token is None or self.headers.get("Authorization") == f"Bearer {repo.token}"
+            )
             if repo is None or (not authorized and not repo.gated):
                 # The Hub answers 401 for missing and for private repos alike when not authenticated.
                 self._error(401, "RepoNotFound", "Repository not found")
@@ -186,12 +192,27 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                     if repo.is_lfs(name):
                         sib["lfs"] = {"size": size, "sha256": repo.sha256(name), "pointerSize": 134}
                 siblings.append(sib)
-            self._json({"_id": repo.commit[:24], "id": repo_id, "modelId": repo_id, "author": repo_id.split("/")[0],
-                        "sha": repo.commit, "private": repo.token is not None and not repo.gated,
-                        "gated": "manual" if repo.gated else False, "disabled": False,
-                        "downloads": 0, "likes": 0, "tags": [], "pipeline_tag": "text-generation",
-                        "library_name": "transformers", "lastModified": "2025-01-01T00:00:00.000Z",
-                        "createdAt": "2025-01-01T00:00:00.000Z", "siblings": siblings, **repo.info})
+            self._json(
+                {
+                    "_id": repo.commit[:24],
+                    "id": repo_id,
+                    "modelId": repo_id,
+                    "author": repo_id.split("/")[0],
+                    "sha": repo.commit,
+                    "private": repo.token is not None and not repo.gated,
+                    "gated": "manual" if repo.gated else False,
+                    "disabled": False,
+                    "downloads": 0,
+                    "likes": 0,
+                    "tags": [],
+                    "pipeline_tag": "text-generation",
+                    "library_name": "transformers",
+                    "lastModified": "2025-01-01T00:00:00.000Z",
+                    "createdAt": "2025-01-01T00:00:00.000Z",
+                    "siblings": siblings,
+                    **repo.info,
+                }
+            )
 
         def _search(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
             search = (query.get("search") or [""])[0].lower()
@@ -204,10 +225,22 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 pipeline = repo.info.get("pipeline_tag", "text-generation")
                 if search not in repo.repo_id.lower() or (tag and tag != pipeline):
                     continue
-                item = {"_id": repo.commit[:24], "id": repo.repo_id, "downloads": 0, "likes": 0,
-                        "gated": "manual" if repo.gated else False, "tags": [], "pipeline_tag": pipeline}
-                item.update({k: v for k, v in repo.info.items()
-                             if k in ("downloads", "likes", "config", "safetensors", "gguf", "tags")})
+                item = {
+                    "_id": repo.commit[:24],
+                    "id": repo.repo_id,
+                    "downloads": 0,
+                    "likes": 0,
+                    "gated": "manual" if repo.gated else False,
+                    "tags": [],
+                    "pipeline_tag": pipeline,
+                }
+                item.update(
+                    {
+                        k: v
+                        for k, v in repo.info.items()
+                        if k in ("downloads", "likes", "config", "safetensors", "gguf", "tags")
+                    }
+                )
                 items.append(item)
             items.sort(key=lambda i: -i["downloads"])
             return items[:limit]
@@ -226,9 +259,15 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             headers = {"X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes"}
             if repo.is_lfs(filename):
                 sha = repo.sha256(filename)
-                headers.update({"Location": f"{hub.cdn_url}/{sha}", "X-Linked-Etag": f'"{sha}"',
-                                "X-Linked-Size": str(len(data)), "ETag": f'"{repo.git_sha(filename)}"',
-                                "Content-Length": "0"})
+                headers.update(
+                    {
+                        "Location": f"{hub.cdn_url}/{sha}",
+                        "X-Linked-Etag": f'"{sha}"',
+                        "X-Linked-Size": str(len(data)),
+                        "ETag": f'"{repo.git_sha(filename)}"',
+                        "Content-Length": "0",
+                    }
+                )
                 return self._send(302, headers, b"", head=True)
             headers["ETag"] = f'"{repo.git_sha(filename)}"'
             self._send_bytes(data, headers, head, filename)

@@ -11,17 +11,30 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # type -> (byte offsets of fp16 scales, byte offsets of fp16 minimums), per block
 _FP16_FIELDS = {
-    "Q4_0": ([0], []), "Q4_1": ([0], [2]), "Q5_0": ([0], []), "Q5_1": ([0], [2]), "Q8_0": ([0], []),
-    "Q4_K": ([0, 2], []), "Q5_K": ([0, 2], []), "Q6_K": ([208], []),
+    "Q4_0": ([0], []),
+    "Q4_1": ([0], [2]),
+    "Q5_0": ([0], []),
+    "Q5_1": ([0], [2]),
+    "Q8_0": ([0], []),
+    "Q4_K": ([0, 2], []),
+    "Q5_K": ([0, 2], []),
+    "Q6_K": ([208], []),
 }
 # A typical |weight| per unit of the fp16 scale, to aim the weights' size: codes x integer scales.
-_SCALE_UNIT = {"Q4_0": 8, "Q4_1": 8, "Q5_0": 16, "Q5_1": 16, "Q8_0": 64, "Q4_K": 8 * 32, "Q5_K": 16 * 32,
-               "Q6_K": 32 * 64}
+_SCALE_UNIT = {
+    "Q4_0": 8,
+    "Q4_1": 8,
+    "Q5_0": 16,
+    "Q5_1": 16,
+    "Q8_0": 64,
+    "Q4_K": 8 * 32,
+    "Q5_K": 16 * 32,
+    "Q6_K": 32 * 64,
+}
 BLOCK_TYPES = tuple(_FP16_FIELDS)
 
 
-def random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator, weight_size: float = 0.05
-                  ) -> np.ndarray:
+def random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator, weight_size: float = 0.05) -> np.ndarray:
     """uint8 [rows, row bytes]: ``rows`` rows of ``k`` weights in GGUF type ``type_name``."""
     qtype = GGMLQuantizationType[type_name]
     block, nbytes = GGML_QUANT_SIZES[qtype]

@@ -18,11 +18,20 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from tests.gguf_blocks import random_blocks
 
-_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
-                   "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
-                   "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
-                   "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
-                   "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template")
+_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_space_prefix",
+    "tokenizer.chat_template",
+)
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,16 @@ def tensor_type(name: str, layer: int, mix: str) -> str:
     return rules["default"]
 
 
-def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), mix: str = "Q8_0", *, tied: bool = False,
-                     seed: int = 0, weight_size: float = 0.05, embed_type: str | None = None) -> Path:
+def write_llama_gguf(
+    path: Path,
+    shape: LlamaShape = LlamaShape(),
+    mix: str = "Q8_0",
+    *,
+    tied: bool = False,
+    seed: int = 0,
+    weight_size: float = 0.05,
+    embed_type: str | None = None,
+) -> Path:
     """A random Llama-architecture GGUF file at ``path`` with tensors of type ``mix``."""
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), "llama")
@@ -99,7 +116,9 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), mix: str = "Q
 
     def quantized(name: str, rows: int, cols: int, type_name: str, size: float = weight_size) -> None:
         if type_name in ("F16", "F32"):  # plain floats (llama-quantize's input)
-            values = (rng.standard_normal((rows, cols), dtype=np.float32) * size).astype(type_name.lower().replace("f", "float"))
+            values = (rng.standard_normal((rows, cols), dtype=np.float32) * size).astype(
+                type_name.lower().replace("f", "float")
+            )
             writer.add_tensor(name, values)
             return
         data = random_blocks(type_name, rows, cols, rng, size)
@@ -117,13 +136,15 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), mix: str = "Q
         p = f"blk.{i}."
         norm(p + "attn_norm.weight", shape.hidden)
         norm(p + "ffn_norm.weight", shape.hidden)
-        for name, rows, cols in (("attn_q", shape.heads * head_dim, shape.hidden),
-                                 ("attn_k", shape.kv_heads * head_dim, shape.hidden),
-                                 ("attn_v", shape.kv_heads * head_dim, shape.hidden),
-                                 ("attn_output", shape.hidden, shape.heads * head_dim),
-                                 ("ffn_gate", shape.intermediate, shape.hidden),
-                                 ("ffn_up", shape.intermediate, shape.hidden),
-                                 ("ffn_down", shape.hidden, shape.intermediate)):
+        for name, rows, cols in (
+            ("attn_q", shape.heads * head_dim, shape.hidden),
+            ("attn_k", shape.kv_heads * head_dim, shape.hidden),
+            ("attn_v", shape.kv_heads * head_dim, shape.hidden),
+            ("attn_output", shape.hidden, shape.heads * head_dim),
+            ("ffn_gate", shape.intermediate, shape.hidden),
+            ("ffn_up", shape.intermediate, shape.hidden),
+            ("ffn_down", shape.hidden, shape.intermediate),
+        ):
             quantized(p + name + ".weight", rows, cols, tensor_type(name, i, mix))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

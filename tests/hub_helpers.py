@@ -23,8 +23,14 @@ def point_hf_at(hub_url: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> Pa
     from huggingface_hub import constants
 
     cache = home / "hub"
-    env = {"HF_ENDPOINT": hub_url, "HF_HOME": str(home), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0",
-           "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env = {
+        "HF_ENDPOINT": hub_url,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "TRANSFORMERS_OFFLINE"):

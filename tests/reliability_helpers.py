@@ -27,7 +27,7 @@ def sse_data(lines: list[str]) -> list[Any]:
     events = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 

@@ -60,6 +60,7 @@ class ServedEngine:
 
     def submit(self, make: Callable[[], Awaitable[T]]) -> Future[T]:
         """Run a coroutine in the server's loop (the client may only be used there)."""
+
         async def call() -> T:
             return await make()
 
@@ -83,5 +84,6 @@ class ServedEngine:
 
 def idle(stats: dict[str, Any]) -> bool:
     """Nothing running or queued, and every KV block free (cached prefixes count as free)."""
-    return (stats["num_running"] == 0 and stats["num_waiting"] == 0
-            and stats["kv_blocks_free"] == stats["kv_blocks_total"])
+    return (
+        stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    )

@@ -13,7 +13,9 @@ from tests.hf_reference import hf_greedy
 from tests.tiny_model import make_tiny_model
 
 VARIANTS = {
-    "llama-untied-gqa": dict(arch="LlamaForCausalLM", tie_word_embeddings=False, hidden_size=96, num_heads=6, num_kv_heads=2),
+    "llama-untied-gqa": dict(
+        arch="LlamaForCausalLM", tie_word_embeddings=False, hidden_size=96, num_heads=6, num_kv_heads=2
+    ),
     "mistral-mha": dict(arch="MistralForCausalLM", num_heads=4, num_kv_heads=4),
     "qwen2-qkv-bias": dict(arch="Qwen2ForCausalLM", num_heads=4, num_kv_heads=1),
     "qwen3-qk-norm": dict(arch="Qwen3ForCausalLM", num_heads=4, num_kv_heads=2, head_dim=32),
@@ -27,8 +29,9 @@ def test_greedy_matches_hf(variant: str, tmp_path: Path) -> None:
     if variant == "qwen2-qkv-bias":  # HF initialises biases to zero: make them matter
         _randomise_biases(path)
     # Float32 weights and KV cache: bit for bit the model Hugging Face runs.
-    llm = LLM(str(path), kv_cache_memory_gib=0.02, max_num_batched_tokens=16, quantization=None,
-              kv_cache_dtype="float32")
+    llm = LLM(
+        str(path), kv_cache_memory_gib=0.02, max_num_batched_tokens=16, quantization=None, kv_cache_dtype="float32"
+    )
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10))
     for out in outs:
         assert out.outputs[0].token_ids == hf_greedy(path, out.prompt_token_ids, 10)
@@ -67,10 +70,16 @@ def test_unknown_engine_option_is_a_clear_error(tiny_llama: Path) -> None:
         LLM(str(tiny_llama), blok_size=16)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"block_size": 12}, "power of two"), ({"device": "tpu"}, "device"), ({"dtype": "int3"}, "dtype"),
-    ({"max_num_seqs": 0}, "max_num_seqs"), ({"attention_backend": "flash"}, "attention_backend"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"block_size": 12}, "power of two"),
+        ({"device": "tpu"}, "device"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"attention_backend": "flash"}, "attention_backend"),
+    ],
+)
 def test_invalid_engine_options(tiny_llama: Path, overrides: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LLM(str(tiny_llama), **overrides)

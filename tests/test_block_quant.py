@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatapp.engine import LLM, SamplingParams
-from chatapp.engine import cpu_kernels
+from chatapp.engine import LLM, SamplingParams, cpu_kernels
 from chatapp.engine.block_quant import BlockQuantLinear, dequantize, pack_q4, pack_q8
 from chatapp.engine.config import EngineConfig
-from benchmarks.quality import agreement, teacher_forced_logits
-from tests.quality_checks import moon_landing_logits
+from tests.quality_checks import agreement, moon_landing_logits, teacher_forced_logits
 
 PACKERS = {4: pack_q4, 8: pack_q8}
 
@@ -129,8 +127,12 @@ def test_auto_keeps_the_bundled_gguf_weights_exactly(bundled: tuple[LLM, LLM]) -
     assert auto.config.quantization == "gguf"
     fmodel, qmodel = fp32.core.runner.model, auto.core.runner.model
     for i in (0, 29):
-        for part, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
-                           ("mlp", "down_proj")):
+        for part, name in (
+            ("self_attn", "qkv_proj"),
+            ("self_attn", "o_proj"),
+            ("mlp", "gate_up_proj"),
+            ("mlp", "down_proj"),
+        ):
             layer = getattr(getattr(qmodel.layers[i], part), name)
             assert isinstance(layer, BlockQuantLinear) and layer.kinds == (4,)  # q, k and v as one part
             weight = getattr(getattr(fmodel.layers[i], part), name).weight
@@ -146,16 +148,23 @@ def test_int4_logit_error_and_greedy_agreement_are_bounded(bundled: tuple[LLM, L
     assert float((a - b).abs().max()) < 6.0  # measured 2.4 here, 4.8 over the benchmark's prompts
     assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.85
     assert agreement(fp32, auto, num_tokens=12)["greedy_agreement"] > 0.88  # benchmark: 0.925 at 32 tokens
-    out = auto.chat([{"role": "user", "content": "How do I reverse a list in Python?"}],
-                    SamplingParams(temperature=0, max_tokens=24))[0]
+    out = auto.chat(
+        [{"role": "user", "content": "How do I reverse a list in Python?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )[0]
     assert "reverse" in out.outputs[0].text.lower() or "[::-1]" in out.outputs[0].text
 
 
 def test_int4_answers_do_not_depend_on_batch_or_chunking(bundled: tuple[LLM, LLM]) -> None:
     _, auto = bundled
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = ["The history of Rome", "def quicksort(arr):", "My favourite food is", "1 2 3 4",
-               "A long time ago in a galaxy far, far away there was"]
+    prompts = [
+        "The history of Rome",
+        "def quicksort(arr):",
+        "My favourite food is",
+        "1 2 3 4",
+        "A long time ago in a galaxy far, far away there was",
+    ]
     alone = [auto.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert [o.outputs[0].token_ids for o in auto.generate(prompts, params)] == alone
     chunked = LLM(kv_cache_memory_gib=0.05, max_num_batched_tokens=3)
@@ -174,8 +183,10 @@ def test_auto_keeps_int8_for_float_weights_and_int4_rounds_them(tmp_path) -> Non
     qkv = int4.core.runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, BlockQuantLinear) and qkv.bias is not None
     assert int4.core.runner.cpu_forward is not None and dense.core.runner.cpu_forward is None
-    ids = fp32.tokenizer.encode("The fox, tired at last, lay down under the old oak tree and watched the dog "
-                                "chase its own tail until the sun went down.")
+    ids = fp32.tokenizer.encode(
+        "The fox, tired at last, lay down under the old oak tree and watched the dog "
+        "chase its own tail until the sun went down."
+    )
     reference, logits = teacher_forced_logits(dense, ids), teacher_forced_logits(int4, ids)
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:

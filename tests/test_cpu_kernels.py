@@ -16,8 +16,9 @@ def ext():
     return module
 
 
-def make_step(block_size: int, seq_lens: list[int], q_lens: list[int], num_blocks: int = 64,
-              seed: int = 0) -> AttentionMetadata:
+def make_step(
+    block_size: int, seq_lens: list[int], q_lens: list[int], num_blocks: int = 64, seed: int = 0
+) -> AttentionMetadata:
     """A batch with decodes first, then prefill chunks, on scattered block tables."""
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -29,28 +30,45 @@ def make_step(block_size: int, seq_lens: list[int], q_lens: list[int], num_block
     table = torch.zeros(len(seq_lens), max(map(len, tables)), dtype=torch.int32)
     for i, t in enumerate(tables):
         table[i, : len(t)] = torch.tensor(t)
-    slots = [t[p // block_size] * block_size + p % block_size
-             for t, n, q in zip(tables, seq_lens, q_lens) for p in range(n - q, n)]
+    slots = [
+        t[p // block_size] * block_size + p % block_size
+        for t, n, q in zip(tables, seq_lens, q_lens)
+        for p in range(n - q, n)
+    ]
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=table, query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens, num_decodes=sum(1 for q in q_lens if q == 1), max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens))
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=table,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+        num_decodes=sum(1 for q in q_lens if q == 1),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
 
 
 def kernel(ext, q, k_cache, v_cache, meta, scale):
     """The kernel on standard-layout caches (keys transposed within blocks, as the engine stores them)."""
-    return ext.paged_attention(q, k_cache.permute(0, 2, 3, 1).contiguous(), v_cache, meta.query_start_loc,
-                               meta.seq_lens, meta.block_tables, scale)
+    return ext.paged_attention(
+        q,
+        k_cache.permute(0, 2, 3, 1).contiguous(),
+        v_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads, block_size", [((9, 3, 64), 16), ((4, 4, 32), 8), ((8, 2, 128), 32)])
-def test_kernel_matches_sdpa_for_decodes_and_prefill_chunks(ext, heads: tuple[int, int, int], block_size: int,
-                                                            cache_dtype: torch.dtype) -> None:
+def test_kernel_matches_sdpa_for_decodes_and_prefill_chunks(
+    ext, heads: tuple[int, int, int], block_size: int, cache_dtype: torch.dtype
+) -> None:
     """Float32 or float16 caches (the CPU default): the kernel widens halves exactly, so against SDPA
     on the same (widened) cache it is as close as in float32."""
     num_heads, num_kv_heads, head_dim = heads
@@ -59,8 +77,12 @@ def test_kernel_matches_sdpa_for_decodes_and_prefill_chunks(ext, heads: tuple[in
     q_lens = [1, 1, 1, 23, 9, block_size]
     meta = make_step(block_size, seq_lens, q_lens)
     torch.manual_seed(1)
-    caches = [(torch.randn(64, block_size, num_kv_heads, head_dim).to(cache_dtype),
-               torch.randn(64, block_size, num_kv_heads, head_dim).to(cache_dtype))]
+    caches = [
+        (
+            torch.randn(64, block_size, num_kv_heads, head_dim).to(cache_dtype),
+            torch.randn(64, block_size, num_kv_heads, head_dim).to(cache_dtype),
+        )
+    ]
     tokens = sum(q_lens)
     q = torch.randn(tokens, num_heads, head_dim)
     k, v = torch.randn(tokens, num_kv_heads, head_dim), torch.randn(tokens, num_kv_heads, head_dim)
@@ -79,7 +101,7 @@ def test_a_rows_result_does_not_depend_on_its_chunk_batch_or_layout(ext, cache_d
     A 40-token prompt in one chunk (tiles of 16 rows: query rows in vector lanes) against its
     last token alone (3 rows: keys in lanes) and beside another request's prefill.
     """
-    bs, heads = 16, (9, 3, 64)
+    bs = 16  # 9 query heads over 3 KV heads of 64
     torch.manual_seed(1)
     k_cache, v_cache = torch.randn(64, bs, 3, 64).to(cache_dtype), torch.randn(64, bs, 3, 64).to(cache_dtype)
     q = torch.randn(40, 9, 64)
@@ -104,12 +126,11 @@ def test_cpp_layer_loop_and_python_model_generate_the_same_tokens(variant: str, 
 
     model = {
         "bundled": None,
-        "qwen3": lambda: str(make_tiny_model(tmp_path / "q3", "Qwen3ForCausalLM", num_heads=4, num_kv_heads=2,
-                                             head_dim=32)),
+        "qwen3": lambda: str(
+            make_tiny_model(tmp_path / "q3", "Qwen3ForCausalLM", num_heads=4, num_kv_heads=2, head_dim=32)
+        ),
         "qwen2": lambda: str(make_tiny_model(tmp_path / "q2", "Qwen2ForCausalLM", num_heads=4, num_kv_heads=1)),
     }[variant]
-    from benchmarks.quality import teacher_forced_logits
-
     path = model() if model else None
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["Hello there, how are", "def f(x):", "The quick brown fox jumps over the lazy dog again and again"]
@@ -118,16 +139,19 @@ def test_cpp_layer_loop_and_python_model_generate_the_same_tokens(variant: str, 
     fast = LLM(path, kv_cache_memory_gib=0.02, quantization=None)
     slow = LLM(path, kv_cache_memory_gib=0.02, quantization=None, cpu_kernels=False)
     assert fast.core.runner.cpu_forward is not None and slow.core.runner.cpu_forward is None
-    assert ([o.outputs[0].token_ids for o in fast.generate(prompts, params)]
-            == [o.outputs[0].token_ids for o in slow.generate(prompts, params)])
+    assert [o.outputs[0].token_ids for o in fast.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in slow.generate(prompts, params)
+    ]
     # int8: each path as close to float32 as the other (they differ from each other only on
     # near-ties; a broken int8 path falls far below: per-tensor activations reached 0.60).
-    ids = fast.tokenizer.encode(" ".join(prompts) + " The fox, tired at last, lay down under the old oak tree "
-                                "and watched the dog chase its own tail until the sun went down.")
-    reference = teacher_forced_logits(fast, ids)
-    for cpu_kernels in (True, False):
-        int8 = LLM(path, kv_cache_memory_gib=0.02, quantization="int8", cpu_kernels=cpu_kernels)
-        logits = teacher_forced_logits(int8, ids)
+    ids = fast.tokenizer.encode(
+        " ".join(prompts) + " The fox, tired at last, lay down under the old oak tree "
+        "and watched the dog chase its own tail until the sun went down."
+    )
+    reference = fast.prompt_logits(ids)
+    for with_kernels in (True, False):
+        int8 = LLM(path, kv_cache_memory_gib=0.02, quantization="int8", cpu_kernels=with_kernels)
+        logits = int8.prompt_logits(ids)
         assert float((logits.argmax(-1) == reference.argmax(-1)).float().mean()) > 0.8
         assert float((logits - reference).abs().max()) < 0.3 * float(reference.abs().max())
 

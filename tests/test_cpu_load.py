@@ -28,7 +28,9 @@ def test_a_busy_process_beside_us_is_seen() -> None:
     """A real spinning child process: the monitor, asked for every core, says they are not free."""
     threads = psutil.cpu_count(logical=True) or 1
     monitor = CpuLoadMonitor(max(2, threads))
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
+    )
     try:
         time.sleep(0.2)
         monitor.all_threads_fit()  # starts a fresh window with the spinner running

@@ -25,8 +25,10 @@ def tokenizer() -> Tokenizer:
 def test_stream_equals_full_decode(tokenizer: Tokenizer, text: str) -> None:
     prompt = tokenizer.encode("Say something:")
     ids = tokenizer.hf.encode(text, add_special_tokens=False)
-    assert any(len(tokenizer.decode([i]).encode()) == 0 or "\ufffd" in tokenizer.decode([i]) for i in ids) or \
-        text.isascii()  # the non-ASCII texts really do split characters across tokens
+    assert (
+        any(len(tokenizer.decode([i]).encode()) == 0 or "\ufffd" in tokenizer.decode([i]) for i in ids)
+        or text.isascii()
+    )  # the non-ASCII texts really do split characters across tokens
     detok = IncrementalDetokenizer(tokenizer.hf, prompt)
     pieces = [detok.add_tokens([i], finished=(n == len(ids) - 1)) for n, i in enumerate(ids)]
     assert "".join(pieces) == tokenizer.decode(ids)
@@ -38,9 +40,9 @@ def test_stop_string_is_never_shown_even_across_tokens(tokenizer: Tokenizer) -> 
     ids = tokenizer.hf.encode(text, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer.hf, [], stop=("STOP",))
     shown = ""
-    for n, i in enumerate(ids):
+    for i in ids:
         shown += detok.add_tokens([i], finished=False)
-        assert "ST" not in shown.replace("STOP", "")[len("alpha beta"):] or detok.stop_reason
+        assert "ST" not in shown.replace("STOP", "")[len("alpha beta") :] or detok.stop_reason
         if detok.stop_reason:
             break
     assert detok.stop_reason == "STOP"

@@ -39,8 +39,13 @@ def model_path():
 def llm(model_path) -> LLM:
     # A tiny token budget forces chunked prefill and mixes decodes with prefill chunks. Float32
     # weights and KV cache: the model Hugging Face runs (the CPU default caches keys in float16).
-    return LLM(kv_cache_memory_gib=0.25, max_num_batched_tokens=24, long_prefill_token_threshold=16, quantization=None,
-               kv_cache_dtype="float32")
+    return LLM(
+        kv_cache_memory_gib=0.25,
+        max_num_batched_tokens=24,
+        long_prefill_token_threshold=16,
+        quantization=None,
+        kv_cache_dtype="float32",
+    )
 
 
 def test_continuous_batch_with_chunked_prefill_matches_hf(llm: LLM, model_path) -> None:
@@ -54,8 +59,10 @@ def test_continuous_batch_with_chunked_prefill_matches_hf(llm: LLM, model_path) 
 
 def test_shared_system_prompt_hits_prefix_cache(llm: LLM, model_path) -> None:
     def wave(questions: list[str]) -> list:
-        return llm.chat([[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-                         for q in questions], SamplingParams(temperature=0, max_tokens=12))
+        return llm.chat(
+            [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions],
+            SamplingParams(temperature=0, max_tokens=12),
+        )
 
     wave(["When do you open on Sundays?", "Do you sell rye bread?"])
     before = llm.stats()

@@ -22,8 +22,7 @@ import pytest
 import pytest_asyncio
 
 from chatapp import paths
-from chatapp.engine import LLM, SamplingParams
-from chatapp.engine import ipc
+from chatapp.engine import LLM, SamplingParams, ipc
 from chatapp.engine.api import EngineBusyError, EngineDeadError, InvalidRequestError
 from chatapp.engine.client import AsyncEngineClient, EngineModelMismatchError
 from chatapp.engine.config import EngineConfig
@@ -35,11 +34,26 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(90)]
 SCRIPT = Path(__file__).with_name("engine_client_script.py")
 MAX_TOKENS = 16
 PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
-    "The quick brown fox", "Q: What is 2+2?\nA:", "Hi", "In the beginning",
-    "import numpy as np", "Dear Sir or Madam,", "The weather today", "Roses are red,",
-    "SELECT * FROM", "My favourite food is", "Water boils at", "The meaning of life is",
-    "Translate to French: cat", "A haiku about autumn:", "Breaking news:", "Step 1: preheat the oven",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Q: What is 2+2?\nA:",
+    "Hi",
+    "In the beginning",
+    "import numpy as np",
+    "Dear Sir or Madam,",
+    "The weather today",
+    "Roses are red,",
+    "SELECT * FROM",
+    "My favourite food is",
+    "Water boils at",
+    "The meaning of life is",
+    "Translate to French: cat",
+    "A haiku about autumn:",
+    "Breaking news:",
+    "Step 1: preheat the oven",
 ]
 LONG = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
 
@@ -99,12 +113,17 @@ def idle_with_one_client(stats: dict[str, Any]) -> bool:
     return idle(stats) and stats["num_clients"] == 1
 
 
-async def start_script(job: dict[str, Any], runtime: Path | None = None
-                       ) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
+async def start_script(
+    job: dict[str, Any], runtime: Path | None = None
+) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
     env = {**os.environ, "CHATAPP_RUNTIME_DIR": str(runtime)} if runtime is not None else None
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(SCRIPT), json.dumps(job),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+        sys.executable,
+        str(SCRIPT),
+        json.dumps(job),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env=env,
     )
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 60)
@@ -115,11 +134,13 @@ async def start_script(job: dict[str, Any], runtime: Path | None = None
 # -- 1. many concurrent streams from two processes, exact greedy text -----------------------
 
 
-async def test_concurrent_clients_match_offline_greedy(client: AsyncEngineClient, tiny_model: Path,
-                                                       reference: dict[str, Any]) -> None:
+async def test_concurrent_clients_match_offline_greedy(
+    client: AsyncEngineClient, tiny_model: Path, reference: dict[str, Any]
+) -> None:
     mine, theirs = PROMPTS[:16], PROMPTS[16:]
-    proc, hello = await start_script({"mode": "generate", "config": engine_config(tiny_model),
-                                      "prompts": theirs, "max_tokens": MAX_TOKENS})
+    proc, hello = await start_script(
+        {"mode": "generate", "config": engine_config(tiny_model), "prompts": theirs, "max_tokens": MAX_TOKENS}
+    )
     assert hello == {"attached": client.engine_pid, "spawned": False}
     assert proc.stdin is not None and proc.stdout is not None
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -204,17 +225,18 @@ async def test_cancelled_reader_aborts(client: AsyncEngineClient) -> None:
     assert idle(await client.stats())
 
 
-async def test_stop_string_is_found_client_side_and_aborted(client: AsyncEngineClient,
-                                                           reference: dict[str, Any]) -> None:
+async def test_stop_string_is_found_client_side_and_aborted(
+    client: AsyncEngineClient, reference: dict[str, Any]
+) -> None:
     prompt = PROMPTS[0]
     text, ids = reference[prompt]
     assert len(ids) == MAX_TOKENS  # no EOS early on: with ignore_eos the first tokens are the same
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, stop=stop)
     deltas = await collect(client.generate(prompt, params))
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
-    assert "".join(d.text for d in deltas) == text[:text.index(stop)]
+    assert "".join(d.text for d in deltas) == text[: text.index(stop)]
     assert idle(await wait_for_stats(client, idle, within=5))
 
 
@@ -257,8 +279,11 @@ async def test_second_client_attaches_to_the_same_engine(client: AsyncEngineClie
         await second.close()
     assert (await client.stats())["num_clients"] == 1  # the spawner's engine outlives the second client
     assert client.log_path is not None
-    loads = [line for line in client.log_path.read_text().splitlines()
-             if f" {client.engine_pid} INFO chatapp.engine.core: engine ready" in line]
+    loads = [
+        line
+        for line in client.log_path.read_text().splitlines()
+        if f" {client.engine_pid} INFO chatapp.engine.core: engine ready" in line
+    ]
     assert len(loads) == 1  # one model load for both clients
 
     runtime = paths.runtime_dir()
@@ -301,8 +326,9 @@ async def test_killed_client_process_has_its_requests_aborted(client: AsyncEngin
     assert idle(stats) and stats["num_clients"] == 1, stats
 
 
-async def test_frozen_client_is_dropped_after_the_heartbeat_timeout(client: AsyncEngineClient,
-                                                                    tiny_model: Path) -> None:
+async def test_frozen_client_is_dropped_after_the_heartbeat_timeout(
+    client: AsyncEngineClient, tiny_model: Path
+) -> None:
     proc, _ = await start_script({"mode": "stream", "config": engine_config(tiny_model), "num_requests": 1})
     assert proc.stdout is not None
     await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -492,8 +518,9 @@ async def test_a_model_that_cannot_load_fails_start_clearly(tmp_path_factory: py
     assert c.spawned_engine and ipc.read_record(runtime) is None
 
 
-async def test_engine_outlives_the_process_that_spawned_it(tiny_model: Path,
-                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+async def test_engine_outlives_the_process_that_spawned_it(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     runtime = tmp_path_factory.mktemp("rt-life")
     spawner, hello = await start_script({"mode": "exit", "config": engine_config(tiny_model)}, runtime)
     assert hello["spawned"]
@@ -517,8 +544,9 @@ async def test_engine_outlives_the_process_that_spawned_it(tiny_model: Path,
     assert record.process() is None and ipc.read_record(runtime) is None
 
 
-async def test_a_damaged_gguf_file_fails_the_switch_and_the_engine_goes_on(tiny_model: Path, tmp_path: Path,
-                                                                            private_runtime: Path) -> None:
+async def test_a_damaged_gguf_file_fails_the_switch_and_the_engine_goes_on(
+    tiny_model: Path, tmp_path: Path, private_runtime: Path
+) -> None:
     """Switching the shared engine to a truncated GGUF file answers with an error naming the
     tensor, and the engine comes back on the model it had: other clients keep their engine."""
     from tests.gguf_models import write_llama_gguf

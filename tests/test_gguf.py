@@ -12,8 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from chatapp.engine import LLM, SamplingParams
-from chatapp.engine import cpu_kernels
+from chatapp.engine import LLM, SamplingParams, cpu_kernels
 from chatapp.engine.block_quant import K_KINDS, BlockQuantLinear, block_inputs, dequantize
 from chatapp.engine.models.config import UnsupportedModelError
 from chatapp.engine.models.gguf_file import GGUFError
@@ -61,8 +60,7 @@ def block_minimums(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
     return torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
 
 
-def reference_product(x: torch.Tensor, weights: torch.Tensor, block: int, mins: torch.Tensor | None
-                      ) -> torch.Tensor:
+def reference_product(x: torch.Tensor, weights: torch.Tensor, block: int, mins: torch.Tensor | None) -> torch.Tensor:
     """The kernels' defined arithmetic in float64: each row's activations rounded to int8 per block
     (one float scale per ``block`` inputs, halves to even) times the exact weights; where a block of
     32 has a minimum m, m multiplies the exact float sum of the activations instead."""
@@ -270,8 +268,7 @@ def test_loading_a_300_mb_file_adds_at_most_1_3x_its_size_to_peak_rss(tmp_path: 
     path = write_llama_gguf(tmp_path / "300mb-Q4_K_M.gguf", shape, mix="Q4_K_M", seed=2)
     size = path.stat().st_size
     assert 250e6 < size < 400e6
-    probe = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path)], capture_output=True, text=True,
-                           timeout=600)
+    probe = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(path)], capture_output=True, text=True, timeout=600)
     assert probe.returncode == 0, probe.stderr[-2000:]
     rss = json.loads(probe.stdout.strip().splitlines()[-1])
     assert rss["peak"] - rss["before"] <= 1.3 * size, (rss, size)
@@ -287,8 +284,9 @@ def test_float_tensors_run_dequantised_and_match_the_float_model(gguf_dir: Path)
     qkv = native.core.runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, torch.nn.Linear) and qkv.weight.dtype == torch.float32
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert ([o.outputs[0].token_ids for o in native.generate(PROMPTS, params)]
-            == [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)])
+    assert [o.outputs[0].token_ids for o in native.generate(PROMPTS, params)] == [
+        o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)
+    ]
 
 
 def test_a_model_that_cannot_fit_is_refused_before_loading(gguf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,8 +300,11 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(gguf_dir: Path, monke
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=100 * 2**20))
     loads: list[str] = []
     monkeypatch.setattr(gguf_loader, "load_gguf_native", lambda *a, **k: loads.append("loaded"))
-    with pytest.raises(ModelTooLargeError, match=r"needs about 0\.5\d GiB of memory \(weights 0\.0\d GiB \+ KV cache "
-                                                 r"0\.02 GiB \+ 0\.50 GiB working memory\) but only 0\.10 GiB is available"):
+    with pytest.raises(
+        ModelTooLargeError,
+        match=r"needs about 0\.5\d GiB of memory \(weights 0\.0\d GiB \+ KV cache "
+        r"0\.02 GiB \+ 0\.50 GiB working memory\) but only 0\.10 GiB is available",
+    ):
         LLM(str(path), kv_cache_memory_gib=0.02)
     assert loads == []  # refused before a byte of weights was read
 

@@ -141,9 +141,13 @@ def test_closed_store_raises_history_error(db_path):
 
 
 def test_session_fields_round_trip(store):
-    s = store.create_session("Remote", model="gpt-x", system_prompt="Be brief.",
-                             sampling={"temperature": 0.7, "top_p": 0.9, "stop": ["\n\n"]},
-                             backend=Backend.remote("https://example.test/v1", api_key="sk-1"))
+    s = store.create_session(
+        "Remote",
+        model="gpt-x",
+        system_prompt="Be brief.",
+        sampling={"temperature": 0.7, "top_p": 0.9, "stop": ["\n\n"]},
+        backend=Backend.remote("https://example.test/v1", api_key="sk-1"),
+    )
     got = store.get_session(s.id)
     assert got == s
     assert got.title == "Remote" and got.model == "gpt-x" and got.system_prompt == "Be brief."
@@ -190,23 +194,29 @@ def test_delete_session_removes_its_messages(store):
         store.delete_session(s.id)
 
 
-@pytest.mark.parametrize("bad", [
-    {"sampling": {"seed": object()}},
-    {"sampling": {1: 2}},
-    {"sampling": {"t": float("nan")}},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"sampling": {"seed": object()}},
+        {"sampling": {1: 2}},
+        {"sampling": {"t": float("nan")}},
+    ],
+)
 def test_bad_session_values_are_rejected_clearly(store, bad):
     with pytest.raises(ValueError, match="sampling"):
         store.create_session("x", **bad)
     assert store.list_sessions() == []
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"kind": "local", "base_url": "http://x"}, "local backend"),
-    ({"kind": "remote"}, "needs a base_url"),
-    ({"kind": "remote", "base_url": "ftp://x"}, "http"),
-    ({"kind": "cloud"}, "'local' or 'remote'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"kind": "local", "base_url": "http://x"}, "local backend"),
+        ({"kind": "remote"}, "needs a base_url"),
+        ({"kind": "remote", "base_url": "ftp://x"}, "http"),
+        ({"kind": "cloud"}, "'local' or 'remote'"),
+    ],
+)
 def test_bad_backends_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Backend(**kwargs)
@@ -290,12 +300,32 @@ def test_delete_message_removes_its_branch_only(store):
 def test_very_deep_trees_work(store):
     """Long chats are deep trees; nothing may hit SQLite's 1000-level recursion limit."""
     depth = 1500
-    export = {"format": "chatapp-session", "version": 1, "session": {
-        "title": "long", "created_at": "2025-01-01T00:00:00+00:00", "updated_at": "2025-01-01T00:00:00+00:00",
-        "model": None, "system_prompt": "", "sampling": {}, "backend": {"kind": "local"},
-        "selected_leaf_id": depth - 1, "archived": False},
-        "messages": [{"id": i, "parent_id": i - 1 if i else None, "role": "user", "content": f"m{i}",
-                      "status": "complete", "created_at": "2025-01-01T00:00:00+00:00"} for i in range(depth)]}
+    export = {
+        "format": "chatapp-session",
+        "version": 1,
+        "session": {
+            "title": "long",
+            "created_at": "2025-01-01T00:00:00+00:00",
+            "updated_at": "2025-01-01T00:00:00+00:00",
+            "model": None,
+            "system_prompt": "",
+            "sampling": {},
+            "backend": {"kind": "local"},
+            "selected_leaf_id": depth - 1,
+            "archived": False,
+        },
+        "messages": [
+            {
+                "id": i,
+                "parent_id": i - 1 if i else None,
+                "role": "user",
+                "content": f"m{i}",
+                "status": "complete",
+                "created_at": "2025-01-01T00:00:00+00:00",
+            }
+            for i in range(depth)
+        ],
+    }
     s = store.import_json(json.dumps(export))
     path = store.path(s.id)
     assert len(path) == depth and path[0].content == "m0" and path[-1].content == f"m{depth - 1}"
@@ -318,9 +348,11 @@ def test_streaming_answer_lifecycle(store):
     store.update_partial(a.id, "Once upon a time")
     assert store.get_message(a.id).content == "Once upon a time"
     assert store.search("upon") == []  # streaming text is indexed when it ends
-    done = store.finish_message(a.id, "Once upon a time, the end.",
-                                metrics=Metrics(prompt_tokens=12, completion_tokens=7, tokens_per_second=31.5,
-                                                ttft_ms=85.0))
+    done = store.finish_message(
+        a.id,
+        "Once upon a time, the end.",
+        metrics=Metrics(prompt_tokens=12, completion_tokens=7, tokens_per_second=31.5, ttft_ms=85.0),
+    )
     assert done.status == "complete"
     assert done.metrics == Metrics(12, 7, 31.5, 85.0)
     assert store.get_message(a.id) == done
@@ -361,8 +393,7 @@ _CRASHING_WRITER = textwrap.dedent("""
 
 
 def test_answer_streaming_when_the_process_is_killed_is_kept_as_incomplete(db_path):
-    child = subprocess.Popen([sys.executable, "-c", _CRASHING_WRITER, str(db_path)],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _CRASHING_WRITER, str(db_path)], stdout=subprocess.PIPE, text=True)
     try:
         line = child.stdout.readline()
         child.send_signal(signal.SIGKILL)
@@ -435,8 +466,27 @@ def test_search_follows_renames_edits_and_deletes(store):
     assert store.search("zebra") == [] and store.search("shiny") == []
 
 
-@pytest.mark.parametrize("query", ['"', '"unbalanced', "(", "a)", "c++", "-x", "foo:bar", "*", "NOT", "a OR",
-                                   "NEAR(a b)", "^start", "title:x", "'", "\x00", "✓ 😀"])
+@pytest.mark.parametrize(
+    "query",
+    [
+        '"',
+        '"unbalanced',
+        "(",
+        "a)",
+        "c++",
+        "-x",
+        "foo:bar",
+        "*",
+        "NOT",
+        "a OR",
+        "NEAR(a b)",
+        "^start",
+        "title:x",
+        "'",
+        "\x00",
+        "✓ 😀",
+    ],
+)
 def test_search_accepts_fts_syntax_characters(store, query):
     s = store.create_session("c++ and foo:bar")
     store.add_message(s.id, None, "user", "c++ foo:bar -x (a) NOT")
@@ -487,8 +537,12 @@ def test_markdown_export_shows_the_shown_branch(store):
 
 def test_json_export_has_every_branch_and_imports_losslessly(store):
     s, q, a1, a2, q2 = conversation(store)
-    store.update_session(s.id, system_prompt="sys", sampling={"temperature": 0.2},
-                         backend=Backend.remote("https://example.test/v1", endpoint="work", api_key="sk-secret"))
+    store.update_session(
+        s.id,
+        system_prompt="sys",
+        sampling={"temperature": 0.2},
+        backend=Backend.remote("https://example.test/v1", endpoint="work", api_key="sk-secret"),
+    )
     store.finish_message(a1.id, "It is 4.", metrics=Metrics(10, 4, 12.5, 150))
     store.select_branch(a1.id)
     data = json.loads(store.export_json(s.id))
@@ -513,11 +567,14 @@ def test_json_export_has_every_branch_and_imports_losslessly(store):
     assert without_ids(store.export_dict(copy.id)) == without_ids(store.export_dict(s.id))
 
 
-@pytest.mark.parametrize("text, match", [
-    ("{not json", "invalid JSON"),
-    ('{"format": "other"}', "not a chatapp session export"),
-    ('{"format": "chatapp-session", "version": 99}', "version 99"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{not json", "invalid JSON"),
+        ('{"format": "other"}', "not a chatapp session export"),
+        ('{"format": "chatapp-session", "version": 99}', "version 99"),
+    ],
+)
 def test_import_rejects_bad_files_clearly(store, text, match):
     with pytest.raises(HistoryFormatError, match=match):
         store.import_json(text)

@@ -36,8 +36,13 @@ def test_pull_list_info_resolve(hub: FakeHub, tiny_llama: Path) -> None:
     assert "pulled tiny/llama" in out
 
     snapshot = _snapshot(hub)
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "model.safetensors"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    ):
         assert (snapshot / name).read_bytes() == (tiny_llama / name).read_bytes(), name
     for name in UNWANTED:  # only what the engine needs is fetched
         assert not (snapshot / name).exists()
@@ -147,8 +152,16 @@ def test_quantised_checkpoint_is_refused_before_any_weights(hub: FakeHub, tiny_l
 
 def test_model_too_big_for_memory_is_refused_before_any_weights(hub: FakeHub, tiny_llama: Path) -> None:
     # A config describing ~70B parameters: 280 GB of float32 weights.
-    big = with_config(tiny_llama, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256)
+    big = with_config(
+        tiny_llama,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    )
     hub.add_repo("big/llama", big)
 
     code, out, err = run_cli("models", "pull", "big/llama")
@@ -167,8 +180,9 @@ def test_not_enough_disk_space_is_refused_before_any_weights(hub: FakeHub, tiny_
     assert hub.served("model.safetensors") == []
 
 
-def test_private_repo_needs_a_login_and_uses_the_token(hub: FakeHub, tiny_llama: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_private_repo_needs_a_login_and_uses_the_token(
+    hub: FakeHub, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     files = {p.name: p.read_bytes() for p in tiny_llama.iterdir() if p.is_file()}
     hub.add_repo("me/private", files, token="hf_secret")
 
@@ -202,7 +216,8 @@ def test_gated_repo_says_how_to_get_access(hub: FakeHub, tiny_llama: Path) -> No
 
 
 def test_offline_and_unreachable_hub_give_one_clear_line_and_cached_models_still_work(
-        hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from huggingface_hub import constants
 
     assert run_cli("models", "pull", REPO)[0] == 0
@@ -226,8 +241,11 @@ def test_offline_and_unreachable_hub_give_one_clear_line_and_cached_models_still
 
 
 def test_bad_specs_are_one_line_errors(hub: FakeHub) -> None:
-    for spec, message in (("nonsense", "not a Hugging Face repo id"), ("a/b:weights.bin", "only a .gguf file"),
-                          ("nobody/nothing", "not found on the Hub")):
+    for spec, message in (
+        ("nonsense", "not a Hugging Face repo id"),
+        ("a/b:weights.bin", "only a .gguf file"),
+        ("nobody/nothing", "not found on the Hub"),
+    ):
         code, _, err = run_cli("models", "pull", spec)
         assert code == 1 and message in err and err.count("\n") == 1, (spec, err)
 
@@ -235,8 +253,11 @@ def test_bad_specs_are_one_line_errors(hub: FakeHub) -> None:
 def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) -> None:
     small = tiny_gguf(tmp_path / "tiny-Q8_0.gguf").read_bytes()
     other = tiny_gguf(tmp_path / "tiny-F16.gguf", rows=128).read_bytes()
-    hub.add_repo("tiny/gguf", {"tiny-Q8_0.gguf": small, "tiny-F16.gguf": other, "README.md": b"hi"},
-                 info={"gguf": {"total": 128, "architecture": "llama", "context_length": 2048}})
+    hub.add_repo(
+        "tiny/gguf",
+        {"tiny-Q8_0.gguf": small, "tiny-F16.gguf": other, "README.md": b"hi"},
+        info={"gguf": {"total": 128, "architecture": "llama", "context_length": 2048}},
+    )
     phi = tiny_gguf(tmp_path / "phi.gguf", arch="phi3", rows=32).read_bytes()
     hub.add_repo("tiny/phi-gguf", {"phi-Q4.gguf": phi}, info={"gguf": {"total": 128, "architecture": "phi3"}})
 
@@ -254,7 +275,9 @@ def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) ->
     assert hub.served("phi-Q4.gguf") == []
 
     # Without the Hub's GGUF summary the file's own header is checked once it is here.
-    hub.add_repo("tiny/plain-gguf", {"a.gguf": small, "b.gguf": tiny_gguf(tmp_path / "b.gguf", arch="phi3").read_bytes()})
+    hub.add_repo(
+        "tiny/plain-gguf", {"a.gguf": small, "b.gguf": tiny_gguf(tmp_path / "b.gguf", arch="phi3").read_bytes()}
+    )
     code, out, err = run_cli("models", "pull", "tiny/plain-gguf:a.gguf")
     assert code == 0 and "memory: fits" in out, err
     code, out, err = run_cli("models", "pull", "tiny/plain-gguf:b.gguf")
@@ -294,22 +317,49 @@ def test_rm_asks_first_and_deletes_from_the_hf_cache(hub: FakeHub, monkeypatch: 
 def test_search_lists_runnable_text_generation_models_with_a_memory_label(hub: FakeHub) -> None:
     from chatapp.hub import search_models
 
-    hub.add_repo("org/small-llama", {}, info={"downloads": 300, "config": {"architectures": ["LlamaForCausalLM"]},
-                                              "safetensors": {"parameters": {"BF16": 135_000_000}, "total": 135_000_000}})
-    hub.add_repo("org/mid-qwen", {}, info={"downloads": 200, "config": {"architectures": ["Qwen2ForCausalLM"]},
-                                           "safetensors": {"parameters": {"BF16": 1_500_000_000}, "total": 1_500_000_000}})
-    hub.add_repo("org/big-llama-gguf", {}, info={"downloads": 100, "tags": ["gguf"],
-                                                 "gguf": {"total": 70_000_000_000, "architecture": "llama"}})
-    hub.add_repo("org/gpt2", {}, info={"downloads": 1000, "config": {"architectures": ["GPT2LMHeadModel"]},
-                                       "safetensors": {"parameters": {"F32": 124_000_000}, "total": 124_000_000}})
+    hub.add_repo(
+        "org/small-llama",
+        {},
+        info={
+            "downloads": 300,
+            "config": {"architectures": ["LlamaForCausalLM"]},
+            "safetensors": {"parameters": {"BF16": 135_000_000}, "total": 135_000_000},
+        },
+    )
+    hub.add_repo(
+        "org/mid-qwen",
+        {},
+        info={
+            "downloads": 200,
+            "config": {"architectures": ["Qwen2ForCausalLM"]},
+            "safetensors": {"parameters": {"BF16": 1_500_000_000}, "total": 1_500_000_000},
+        },
+    )
+    hub.add_repo(
+        "org/big-llama-gguf",
+        {},
+        info={"downloads": 100, "tags": ["gguf"], "gguf": {"total": 70_000_000_000, "architecture": "llama"}},
+    )
+    hub.add_repo(
+        "org/gpt2",
+        {},
+        info={
+            "downloads": 1000,
+            "config": {"architectures": ["GPT2LMHeadModel"]},
+            "safetensors": {"parameters": {"F32": 124_000_000}, "total": 124_000_000},
+        },
+    )
     hub.add_repo("org/phi-gguf", {}, info={"downloads": 900, "gguf": {"total": 3_800_000_000, "architecture": "phi3"}})
     hub.add_repo("org/llama-vision", {}, info={"downloads": 5000, "pipeline_tag": "image-text-to-text"})
 
     results = search_models("", limit=10, available_bytes=16 << 30)
     by_id = {r.repo_id: r for r in results}
     assert "org/gpt2" not in by_id and "org/phi-gguf" not in by_id and "org/llama-vision" not in by_id
-    assert [r.repo_id for r in results if r.repo_id.startswith("org/")] == \
-        ["org/small-llama", "org/mid-qwen", "org/big-llama-gguf"]
+    assert [r.repo_id for r in results if r.repo_id.startswith("org/")] == [
+        "org/small-llama",
+        "org/mid-qwen",
+        "org/big-llama-gguf",
+    ]
     assert by_id["org/small-llama"].label == "fits"
     assert by_id["org/mid-qwen"].label == "will be slow"  # 6 GB of float32 weights
     assert by_id["org/big-llama-gguf"].label == "will not fit"
@@ -327,11 +377,17 @@ def test_search_lists_runnable_text_generation_models_with_a_memory_label(hub: F
 def test_cli_in_a_fresh_process_reads_the_hf_environment(hub: FakeHub, tmp_path: Path) -> None:
     """No patched constants: HF_ENDPOINT / HF_HUB_CACHE reach huggingface_hub as a user sets them."""
     env = {**os.environ, "CHATAPP_DATA_DIR": str(tmp_path / "data2")}
-    pull = subprocess.run([sys.executable, "-m", "chatapp", "models", "pull", REPO], env=env,
-                          capture_output=True, text=True, timeout=120)
+    pull = subprocess.run(
+        [sys.executable, "-m", "chatapp", "models", "pull", REPO], env=env, capture_output=True, text=True, timeout=120
+    )
     assert pull.returncode == 0, pull.stderr
-    listing = subprocess.run([sys.executable, "-m", "chatapp", "models", "list"],
-                             env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120)
+    listing = subprocess.run(
+        [sys.executable, "-m", "chatapp", "models", "list"],
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listing.returncode == 0, listing.stderr
     assert any(line.startswith(REPO) for line in listing.stdout.splitlines())
     assert (_snapshot(hub) / "model.safetensors").exists()

@@ -51,8 +51,16 @@ class Batch:
         return self.q.shape[2]
 
 
-def make_batch(requests: list[tuple[int, int]], *, block_size: int, num_kv_heads: int, group: int,
-               head_dim: int, dtype: torch.dtype, seed: int = 0) -> Batch:
+def make_batch(
+    requests: list[tuple[int, int]],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> Batch:
     """``seed`` picks the values; the block layout depends only on the requests and block size."""
     layout = torch.Generator().manual_seed(0)
     gen = torch.Generator().manual_seed(seed)
@@ -112,7 +120,7 @@ def naive_attention(batch: Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         blocks = meta.block_tables[b, : -(-seq_len // block_size)].long()
         keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(batch.group, dim=1)  # [S, H, D]
         values = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(batch.group, dim=1)
-        q = batch.q[start:start + q_len].float()  # [Q, H, D]
+        q = batch.q[start : start + q_len].float()  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, keys) * batch.head_dim**-0.5
         q_pos = torch.arange(seq_len - q_len, seq_len)
         visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [Q, S]
@@ -131,15 +139,18 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 # --- store KV -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("dtype", "block_size", "num_kv_heads", "head_dim"), [
-    (torch.float32, 16, 2, 64),
-    (torch.float16, 8, 3, 128),
-    (torch.bfloat16, 128, 1, 64),
-])
-def test_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype, block_size: int, num_kv_heads: int,
-                                                 head_dim: int) -> None:
-    batch = make_batch(MIXED, block_size=block_size, num_kv_heads=num_kv_heads, group=1,
-                       head_dim=head_dim, dtype=dtype)
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "num_kv_heads", "head_dim"),
+    [
+        (torch.float32, 16, 2, 64),
+        (torch.float16, 8, 3, 128),
+        (torch.bfloat16, 128, 1, 64),
+    ],
+)
+def test_store_kv_writes_slots_and_skips_padding(
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, head_dim: int
+) -> None:
+    batch = make_batch(MIXED, block_size=block_size, num_kv_heads=num_kv_heads, group=1, head_dim=head_dim, dtype=dtype)
     batch.meta.slot_mapping[::4] = -1  # padded tokens: their k/v must land nowhere
     expected_k, expected_v = naive_store(batch)
     assert not torch.equal(expected_k, batch.k_cache), "the step must change the cache"
@@ -155,34 +166,41 @@ def test_store_kv_writes_slots_and_skips_padding(dtype: torch.dtype, block_size:
 # --- paged attention kernel against the naive reference -----------------------------------------
 
 
-@pytest.mark.parametrize(("block_size", "head_dim", "group", "dtype", "tiles"), [
-    (16, 64, 1, torch.float32, "engine"),
-    (16, 128, 3, torch.float16, "engine"),
-    (32, 64, 3, torch.bfloat16, "engine"),
-    (32, 128, 1, torch.float32, "engine"),
-    (8, 64, 3, torch.float32, "engine"),
-    (128, 64, 1, torch.float16, "engine"),
-    # Small tiles: many key-loop steps per program and several query tiles per
-    # request, decodes and prefills in one launch.
-    (16, 64, 3, torch.float32, "small"),
-    (32, 128, 1, torch.bfloat16, "small"),
-])
-def test_paged_attention_matches_naive_reference(block_size: int, head_dim: int, group: int,
-                                                 dtype: torch.dtype, tiles: str) -> None:
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "group", "dtype", "tiles"),
+    [
+        (16, 64, 1, torch.float32, "engine"),
+        (16, 128, 3, torch.float16, "engine"),
+        (32, 64, 3, torch.bfloat16, "engine"),
+        (32, 128, 1, torch.float32, "engine"),
+        (8, 64, 3, torch.float32, "engine"),
+        (128, 64, 1, torch.float16, "engine"),
+        # Small tiles: many key-loop steps per program and several query tiles per
+        # request, decodes and prefills in one launch.
+        (16, 64, 3, torch.float32, "small"),
+        (32, 128, 1, torch.bfloat16, "small"),
+    ],
+)
+def test_paged_attention_matches_naive_reference(
+    block_size: int, head_dim: int, group: int, dtype: torch.dtype, tiles: str
+) -> None:
     batch = make_batch(MIXED, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
     k_cache, v_cache = naive_store(batch)
     meta = batch.meta
     lens, nd, nr = meta.query_lens_cpu, meta.num_decodes, meta.num_requests
     if tiles == "engine":
-        plans = [plan_tiles(lens, range(0, nd), group, "cpu", block_m=16, tile_n=64),
-                 plan_tiles(lens, range(nd, nr), group, "cpu", block_m=64, tile_n=64)]
+        plans = [
+            plan_tiles(lens, range(0, nd), group, "cpu", block_m=16, tile_n=64),
+            plan_tiles(lens, range(nd, nr), group, "cpu", block_m=64, tile_n=64),
+        ]
     else:
         plans = [plan_tiles(lens, range(nr), group, "cpu", block_m=16, tile_n=16)]
     out = torch.full_like(batch.q, float("nan"))  # every row must be written
 
     for plan in plans:
-        paged_attention(batch.q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                        plan, head_dim**-0.5)
+        paged_attention(
+            batch.q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, plan, head_dim**-0.5
+        )
 
     assert_close(out, naive_attention(batch, k_cache, v_cache))
 
@@ -190,19 +208,27 @@ def test_paged_attention_matches_naive_reference(block_size: int, head_dim: int,
 # --- the backend against the torch backend ------------------------------------------------------
 
 
-@pytest.mark.parametrize(("requests", "block_size", "head_dim", "group", "dtype"), [
-    (MIXED, 16, 64, 3, torch.float32),
-    (MIXED, 32, 128, 1, torch.bfloat16),
-    (MIXED, 8, 64, 1, torch.float16),
-    (MIXED, 128, 128, 3, torch.float32),
-    ([(1, 9), (1, 33), (1, 16)], 16, 64, 3, torch.float16),  # decodes only
-    ([(7, 7), (30, 45)], 32, 64, 1, torch.float32),  # prefill chunks only
-])
-def test_backend_matches_torch_backend(requests: list[tuple[int, int]], block_size: int, head_dim: int,
-                                       group: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("requests", "block_size", "head_dim", "group", "dtype"),
+    [
+        (MIXED, 16, 64, 3, torch.float32),
+        (MIXED, 32, 128, 1, torch.bfloat16),
+        (MIXED, 8, 64, 1, torch.float16),
+        (MIXED, 128, 128, 3, torch.float32),
+        ([(1, 9), (1, 33), (1, 16)], 16, 64, 3, torch.float16),  # decodes only
+        ([(7, 7), (30, 45)], 32, 64, 1, torch.float32),  # prefill chunks only
+    ],
+)
+def test_backend_matches_torch_backend(
+    requests: list[tuple[int, int]], block_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
     """Two layers through begin_step/forward: same outputs and same caches as TorchAttentionBackend."""
-    layers = [make_batch(requests, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim,
-                         dtype=dtype, seed=seed) for seed in (1, 2)]
+    layers = [
+        make_batch(
+            requests, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=seed
+        )
+        for seed in (1, 2)
+    ]
     meta = layers[0].meta  # the same for both: the seed changes values, not the layout
     num_heads = 2 * group
 
@@ -259,8 +285,9 @@ def tiny_llama_d64(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random Llama with the head_dim real models use and a GQA group of 3."""
     from tests.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-d64"), hidden_size=96, num_heads=6,
-                           num_kv_heads=2, head_dim=64)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-llama-d64"), hidden_size=96, num_heads=6, num_kv_heads=2, head_dim=64
+    )
 
 
 def _generate(model_dir, backend: str) -> tuple[list[list[int]], list[int], int]:
@@ -272,8 +299,16 @@ def _generate(model_dir, backend: str) -> tuple[list[list[int]], list[int], int]
     again = prompts[3][:48] + torch.randint(3, 40000, (10,), generator=gen).tolist()
     # A 32-token step budget cuts the longer prompts into chunks that run beside other requests' decodes.
     # Float32 linears: int8's per-token rounding would amplify the backends' last-bit differences.
-    llm = LLM(model=str(model_dir), device="cpu", attention_backend=backend, block_size=16,
-              num_kv_blocks=64, max_num_batched_tokens=32, long_prefill_token_threshold=32, quantization=None)
+    llm = LLM(
+        model=str(model_dir),
+        device="cpu",
+        attention_backend=backend,
+        block_size=16,
+        num_kv_blocks=64,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=32,
+        quantization=None,
+    )
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     batch = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     [cached] = llm.generate([again], params)

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatapp.engine import LLM, SamplingParams
-from chatapp.engine import model_runner
+from chatapp.engine import LLM, SamplingParams, model_runner
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.model_runner import KV_CONTEXTS, _untouched_zeros
 from tests.tiny_model import make_tiny_model
@@ -48,8 +47,9 @@ def test_default_pool_holds_a_few_full_contexts_in_half_the_bytes(tiny: Path) ->
     # A half cache still answers like the float32 one on this model (greedy, same weights).
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["Hello there", "One, two, three, four"]
-    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-            == [o.outputs[0].token_ids for o in wide.generate(prompts, params)])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in wide.generate(prompts, params)
+    ]
 
 
 def test_pool_is_held_to_the_memory_left_and_caps_the_context(tiny: Path, monkeypatch) -> None:
@@ -61,7 +61,9 @@ def test_pool_is_held_to_the_memory_left_and_caps_the_context(tiny: Path, monkey
     per_block = probe.core.runner.bytes_per_block()
     weights = probe.core.model_config.num_parameters() * 4  # float32
     spare_blocks = 10
-    available = weights + model_runner.WORKING_MEMORY_BYTES + int(spare_blocks * per_block / model_runner.KV_SHARE_OF_FREE)
+    available = (
+        weights + model_runner.WORKING_MEMORY_BYTES + int(spare_blocks * per_block / model_runner.KV_SHARE_OF_FREE)
+    )
 
     class Small:
         def __getattr__(self, name):
@@ -95,11 +97,15 @@ def test_context_and_cache_cap_come_from_the_command_line_over_settings(capsys) 
     saved = EngineSettings(max_model_len=4096, kv_cache_memory_gib=3.0)
     assert saved.options() == {"max_model_len": 4096, "kv_cache_memory_gib": 3.0}
     assert EngineSettings().options() == {}  # nothing set: the engine sizes itself
-    for argv in (["serve", "--max-model-len", "8192", "--kv-cache-gib", "1.5"],
-                 ["--max-model-len", "8192", "--kv-cache-gib", "1.5", "serve"]):
+    for argv in (
+        ["serve", "--max-model-len", "8192", "--kv-cache-gib", "1.5"],
+        ["--max-model-len", "8192", "--kv-cache-gib", "1.5", "serve"],
+    ):
         args = build_parser().parse_args(argv)
         assert saved.options(max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib) == {
-            "max_model_len": 8192, "kv_cache_memory_gib": 1.5}
+            "max_model_len": 8192,
+            "kv_cache_memory_gib": 1.5,
+        }
     args = build_parser().parse_args([])
     assert saved.options(max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib) == saved.options()
     with pytest.raises(SystemExit):

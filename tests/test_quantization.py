@@ -7,8 +7,7 @@ import torch
 
 from chatapp.engine import LLM, SamplingParams
 from chatapp.engine.quantization import Int8Linear
-from benchmarks.quality import agreement
-from tests.quality_checks import moon_landing_logits
+from tests.quality_checks import agreement, moon_landing_logits
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +38,10 @@ def test_logit_error_and_greedy_agreement_are_bounded(pair: tuple[LLM, LLM]) -> 
 
 def test_int8_engine_answers_sensibly(pair: tuple[LLM, LLM]) -> None:
     _, int8 = pair
-    out = int8.chat([{"role": "user", "content": "How do I reverse a list in Python?"}],
-                    SamplingParams(temperature=0, max_tokens=24))[0]
+    out = int8.chat(
+        [{"role": "user", "content": "How do I reverse a list in Python?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )[0]
     assert "reverse" in out.outputs[0].text.lower() or "[::-1]" in out.outputs[0].text
     assert int8.core.runner.model.quantized_lm_head is not None
 
@@ -48,8 +49,13 @@ def test_int8_engine_answers_sensibly(pair: tuple[LLM, LLM]) -> None:
 def test_answers_do_not_depend_on_batch_or_chunking(pair: tuple[LLM, LLM]) -> None:
     """Greedy answers are the same alone, together, and with prompts cut into tiny chunks."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = ["The history of Rome", "def quicksort(arr):", "My favourite food is", "1 2 3 4",
-               "A long time ago in a galaxy far, far away there was"]
+    prompts = [
+        "The history of Rome",
+        "def quicksort(arr):",
+        "My favourite food is",
+        "1 2 3 4",
+        "A long time ago in a galaxy far, far away there was",
+    ]
     for llm in pair:
         alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

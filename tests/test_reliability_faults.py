@@ -61,7 +61,8 @@ def _check_unavailable(response: httpx.Response) -> None:
 
 
 def test_engine_killed_under_load_gives_503s_then_the_server_recovers_by_itself(
-        tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     engine = {"model": str(tiny_model), "num_kv_blocks": 512, "max_num_seqs": 32}
     with ServedEngine(tmp_path_factory.mktemp("runtime"), engine) as served:
         probe = {"prompt": "The same question before and after the crash:", "max_tokens": 16, "temperature": 0}
@@ -121,8 +122,13 @@ def _tiny_engine_app(tmp_path: Path, tiny_model: Path, runtime: Path, **kwargs: 
     async def factory() -> AsyncEngineClient:
         return AsyncEngineClient(EngineConfig(model=str(tiny_model), num_kv_blocks=2048), runtime_dir=runtime)
 
-    return ChatApp(settings_path=tmp_path / "settings.toml", history_path=tmp_path / "history.sqlite3",
-                   engine_factory=factory, session_sampling={"temperature": 0, "max_tokens": 24}, **kwargs)
+    return ChatApp(
+        settings_path=tmp_path / "settings.toml",
+        history_path=tmp_path / "history.sqlite3",
+        engine_factory=factory,
+        session_sampling={"temperature": 0, "max_tokens": 24},
+        **kwargs,
+    )
 
 
 async def test_tui_engine_killed_mid_stream_shows_it_and_restarts(tiny_model: Path, tmp_path: Path) -> None:
@@ -160,8 +166,7 @@ async def test_tui_engine_killed_mid_stream_shows_it_and_restarts(tiny_model: Pa
         await app.action_quit()
 
 
-async def test_tui_and_its_api_port_restart_one_engine_whoever_asks_first(tiny_model: Path,
-                                                                           tmp_path: Path) -> None:
+async def test_tui_and_its_api_port_restart_one_engine_whoever_asks_first(tiny_model: Path, tmp_path: Path) -> None:
     """The TUI shares its engine client with its API port, so after a kill both may restart it: the
     server when an editor retries, the user with the restart key. Pressed while the server's restart
     runs, the key must join it (one engine process, not two); when the server alone brought the engine
@@ -175,9 +180,12 @@ async def test_tui_and_its_api_port_restart_one_engine_whoever_asks_first(tiny_m
     runtime = tmp_path / "runtime"
 
     def engine_pids() -> list[int]:
-        return [p.pid for p in psutil.process_iter(["cmdline"])
-                if "chatapp.engine.process" in " ".join(p.info["cmdline"] or [])
-                and str(runtime) in " ".join(p.info["cmdline"] or [])]
+        return [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if "chatapp.engine.process" in " ".join(p.info["cmdline"] or [])
+            and str(runtime) in " ".join(p.info["cmdline"] or [])
+        ]
 
     (tmp_path / "settings.toml").write_text('[server]\nhost = "127.0.0.1"\nport = 0\n')
     app = _tiny_engine_app(tmp_path, tiny_model, runtime)
@@ -208,8 +216,7 @@ async def test_tui_and_its_api_port_restart_one_engine_whoever_asks_first(tiny_m
                 if user_presses_the_key:
                     await pilot.press("f10")  # while the server's restart is under way
                 await retry_until_served()
-                await wait_for(pilot, lambda: bar.engine.state in ("ready", "busy"), "the TUI sees it back",
-                               steps=3000)
+                await wait_for(pilot, lambda: bar.engine.state in ("ready", "busy"), "the TUI sees it back", steps=3000)
                 assert engine_pids() == [client.engine_pid] and client.engine_pid != old_pid
 
             # A late press of the key (the engine runs) must leave a stream over the API alone.
@@ -241,8 +248,14 @@ def test_tui_with_a_full_disk_warns_keeps_the_chat_in_memory_and_loses_nothing_s
     from tests.tui_helpers import make_app, panes, wait_for
 
     root = Path(__file__).resolve().parent.parent
-    child = subprocess.run([sys.executable, "-m", "tests.tui_diskfull_app", str(tmp_path)], cwd=root,
-                           env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.tui_diskfull_app", str(tmp_path)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert child.returncode == 0, child.stderr[-3000:]
     assert "Traceback" not in child.stderr, child.stderr[-3000:]
     seen = json.loads(child.stdout.strip().splitlines()[-1])

@@ -28,9 +28,11 @@ MAX_PROMPT_TOKENS = 1500
 MAX_NEW_TOKENS = 64
 KV_BLOCKS = 128  # x 16 tokens: room for one of the longest requests (and then some), not for 64
 DEADLINE_S = 200  # the whole crowd; far above a healthy run's time, so only a hang hits it
-WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-         "government company number group problem fact river stone bread music garden window light paper "
-         "table story engine cache block token model answer question reason water city night morning").split()
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact river stone bread music garden window light paper "
+    "table story engine cache block token model answer question reason water city night morning"
+).split()
 
 
 @dataclass
@@ -72,8 +74,9 @@ async def run_client(http: httpx.AsyncClient, client: Client) -> None:
                 continue
             client.events += sse_data([line])
             event = client.events[-1]
-            if isinstance(event, dict) and any(c.get("text") or (c.get("delta") or {}).get("content")
-                                               for c in event.get("choices", [])):
+            if isinstance(event, dict) and any(
+                c.get("text") or (c.get("delta") or {}).get("content") for c in event.get("choices", [])
+            ):
                 content_events += 1
             if client.hang_up_after is not None and content_events >= client.hang_up_after:
                 return  # leaving the block closes the connection mid-stream

@@ -78,6 +78,7 @@ def test_the_server_listens_on_loopback_unless_told_otherwise() -> None:
 
 def _routes(served: ServedEngine) -> list[tuple[str, str]]:
     """(method, path) of every route the app serves, path parameters filled in."""
+
     def walk(routes: list[Any]) -> list[Any]:
         flat = []
         for route in routes:
@@ -97,11 +98,23 @@ def _routes(served: ServedEngine) -> list[tuple[str, str]]:
 def test_every_route_but_health_needs_the_key(served: ServedEngine) -> None:
     routes = _routes(served)
     paths = {path for _, path in routes}
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/metrics",
-            "/openapi.json", "/health"} <= paths, paths
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/metrics",
+        "/openapi.json",
+        "/health",
+    } <= paths, paths
     for method, path in routes:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"},
-                        {"Authorization": f"Bearer {KEY}x"}, {"Authorization": KEY}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"x-api-key": "wrong"},
+            {"Authorization": f"Bearer {KEY}x"},
+            {"Authorization": KEY},
+        ):
             response = httpx.request(method, served.url + path, headers=headers, json={}, timeout=30)
             if path == "/health":
                 assert response.status_code == 200, response.text
@@ -186,22 +199,36 @@ def test_another_user_cannot_use_the_engine_socket(served: ServedEngine) -> None
 # -- model names over HTTP ---------------------------------------------------------------------
 
 
-def test_a_model_name_never_opens_a_file(served: ServedEngine, tmp_path: Path,
-                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_model_name_never_opens_a_file(
+    served: ServedEngine, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     from tests.tiny_model import make_tiny_model
 
     secret = tmp_path / "secret.txt"
     secret.write_text(SECRET)
     another_model = make_tiny_model(tmp_path_factory.mktemp("another-model"), max_position_embeddings=1024)
     loaded = served.client.model_info
-    names = ["/etc/passwd", "../../secret", "../../../../../../etc/shadow", str(secret),
-             os.path.relpath(secret), f"file://{secret}", "~root/.bashrc", str(tmp_path), str(another_model),
-             another_model.name, "/proc/self/environ", "\\..\\..\\windows\\win.ini"]
+    names = [
+        "/etc/passwd",
+        "../../secret",
+        "../../../../../../etc/shadow",
+        str(secret),
+        os.path.relpath(secret),
+        f"file://{secret}",
+        "~root/.bashrc",
+        str(tmp_path),
+        str(another_model),
+        another_model.name,
+        "/proc/self/environ",
+        "\\..\\..\\windows\\win.ini",
+    ]
     user = [{"role": "user", "content": "hi"}]
     for name in names:
-        for path, body in (("/v1/chat/completions", {"model": name, "messages": user, "max_tokens": 1}),
-                           ("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 1}),
-                           ("/v1/embeddings", {"model": name, "input": "hi"})):
+        for path, body in (
+            ("/v1/chat/completions", {"model": name, "messages": user, "max_tokens": 1}),
+            ("/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 1}),
+            ("/v1/embeddings", {"model": name, "input": "hi"}),
+        ):
             response = httpx.post(served.url + path, json=body, headers=AUTH, timeout=30)
             assert response.status_code == 404, (name, path, response.text)
             assert error_of(response)["param"] == "model"

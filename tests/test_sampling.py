@@ -19,13 +19,25 @@ def req(tokens: list[int], output: list[int] = (), **params) -> Request:
     return r
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"), ({"top_p": 0}, "top_p"),
-    ({"top_k": -5}, "top_k"), ({"min_p": 1.5}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logprobs": 50}, "logprobs"),
-    ({"stop": [1, 2]}, "stop"), ({"logit_bias": {5: 200}}, "logit_bias"), ({"seed": "x"}, "seed"), ({"seed": 2**64}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 2}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"stop": [1, 2]}, "stop"),
+        ({"logit_bias": {5: 200}}, "logit_bias"),
+        ({"seed": "x"}, "seed"),
+        ({"seed": 2**64}, "seed"),
+    ],
+)
 def test_invalid_values_raise_clear_errors(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)

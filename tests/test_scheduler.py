@@ -14,9 +14,14 @@ BS = 4
 
 
 def make(num_blocks: int = 64, **cfg) -> Scheduler:
-    config = dataclasses.replace(EngineConfig(), block_size=BS, max_num_seqs=cfg.get("max_num_seqs", 8),
-                                 max_num_batched_tokens=cfg.get("budget", 32),
-                                 long_prefill_token_threshold=cfg.get("threshold", 32), max_model_len=1000)
+    config = dataclasses.replace(
+        EngineConfig(),
+        block_size=BS,
+        max_num_seqs=cfg.get("max_num_seqs", 8),
+        max_num_batched_tokens=cfg.get("budget", 32),
+        long_prefill_token_threshold=cfg.get("threshold", 32),
+        max_model_len=1000,
+    )
     return Scheduler(config, KVCacheManager(num_blocks, BS))
 
 

@@ -35,8 +35,9 @@ def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
 
 
-def test_exposure_warning_only_for_non_loopback_without_key(monkeypatch: pytest.MonkeyPatch,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_exposure_warning_only_for_non_loopback_without_key(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
         assert exposure_warning(host, None) is None
     assert exposure_warning("0.0.0.0", "key") is None
@@ -62,8 +63,13 @@ def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "chatapp", "serve", "--port", str(port)], env=_env(tmp_path),
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "chatapp", "serve", "--port", str(port)],
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
 
@@ -71,7 +77,11 @@ def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
 def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "chatapp", "--model", str(tiny_llama), "serve", "--port", "0", "--api-key", "k"],
-        env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = proc.stdout.readline()
         match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", first)
@@ -84,8 +94,9 @@ def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, t
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.25)
         sdk = OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
-        answer = sdk.chat.completions.create(model=tiny_llama.name, max_tokens=3,
-                                             messages=[{"role": "user", "content": "hi"}])
+        answer = sdk.chat.completions.create(
+            model=tiny_llama.name, max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+        )
         assert answer.usage.completion_tokens == 3
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)

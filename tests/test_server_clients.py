@@ -44,7 +44,7 @@ def sse_events(text: str) -> list[Any]:
         if not block.strip():
             continue
         assert block.startswith("data: "), block
-        data = block[len("data: "):]
+        data = block[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
     return events[:-1]
@@ -80,9 +80,13 @@ def test_zed_request_shape(served: ServedEngine, model: str) -> None:
     """Zed's OpenAI-compatible provider: max_completion_tokens only, include_usage, a stop list, multipart content."""
     body = {
         "model": model,
-        "messages": [{"role": "system", "content": SYSTEM},
-                     {"role": "user", "content": [{"type": "text", "text": "Explain this code:"},
-                                                  {"type": "text", "text": "fn main() {}"}]}],
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Explain this code:"}, {"type": "text", "text": "fn main() {}"}],
+            },
+        ],
         "stream": True,
         "max_completion_tokens": 6,
         "stop": ["<|im_end|>"],
@@ -90,8 +94,9 @@ def test_zed_request_shape(served: ServedEngine, model: str) -> None:
         "stream_options": {"include_usage": True},
         "prompt_cache_key": "thread-1234",
     }
-    response = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {KEY}"})
+    response = httpx.post(
+        f"{served.url}/v1/chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     events = sse_events(response.text)
     check_chat_stream(events, include_usage=True)
@@ -100,9 +105,30 @@ def test_zed_request_shape(served: ServedEngine, model: str) -> None:
 
 def test_continue_request_shape(served: ServedEngine, model: str) -> None:
     """Continue: x-api-key instead of Authorization, include_usage, a long stop list, max_tokens, penalties."""
-    stop = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "\n\n\n", "```\n\n", "/src/", "#- coding: utf-8",
-            "\ndef ", "\nclass ", "\nif __name__", "\n# ", "<fim_prefix>", "<fim_suffix>", "<fim_middle>",
-            "<file_sep>", "<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>", "</s>", "[/INST]", "<EOT>", "\n\n\n\n"]
+    stop = [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "\n\n\n",
+        "```\n\n",
+        "/src/",
+        "#- coding: utf-8",
+        "\ndef ",
+        "\nclass ",
+        "\nif __name__",
+        "\n# ",
+        "<fim_prefix>",
+        "<fim_suffix>",
+        "<fim_middle>",
+        "<file_sep>",
+        "<|fim▁begin|>",
+        "<|fim▁hole|>",
+        "<|fim▁end|>",
+        "</s>",
+        "[/INST]",
+        "<EOT>",
+        "\n\n\n\n",
+    ]
     body = {
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write a haiku."}],
         "model": model,
@@ -131,28 +157,52 @@ def test_open_webui_request_shape(served: ServedEngine, model: str) -> None:
         "metadata": {"chat_id": "c1", "message_id": "m1", "session_id": "s1"},
         "features": {"web_search": False, "image_generation": False},
         "variables": {"{{USER_NAME}}": "user"},
-        "params": {}, "files": [], "tool_ids": None, "chat_id": "c1", "id": "m1", "session_id": "s1",
+        "params": {},
+        "files": [],
+        "tool_ids": None,
+        "chat_id": "c1",
+        "id": "m1",
+        "session_id": "s1",
         "background_tasks": {"title_generation": True, "tags_generation": True},
         "keep_alive": "5m",
     }
     messages = [{"role": "user", "content": "Hello!"}]
-    whole = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, timeout=60,
-                       json={"model": model, "messages": messages, "stream": False, "max_tokens": 5,
-                             "top_k": 40, "min_p": 0.05, "user": "user-1", **extras})
+    whole = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        headers=headers,
+        timeout=60,
+        json={
+            "model": model,
+            "messages": messages,
+            "stream": False,
+            "max_tokens": 5,
+            "top_k": 40,
+            "min_p": 0.05,
+            "user": "user-1",
+            **extras,
+        },
+    )
     assert whole.status_code == 200, whole.text
     data = whole.json()
     assert data["object"] == "chat.completion" and isinstance(data["choices"][0]["message"]["content"], str)
     check_usage(data["usage"])
-    streamed = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, timeout=60,
-                          json={"model": model, "messages": messages, "stream": True, "max_tokens": 5, **extras})
+    streamed = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        headers=headers,
+        timeout=60,
+        json={"model": model, "messages": messages, "stream": True, "max_tokens": 5, **extras},
+    )
     check_chat_stream(sse_events(streamed.text), include_usage=False)
 
 
 def test_developer_role_is_a_system_message(served: ServedEngine, model: str) -> None:
     def ask(role: str) -> dict[str, Any]:
         messages = [{"role": role, "content": SYSTEM}, {"role": "user", "content": "Hi"}]
-        response = httpx.post(f"{served.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                              json={"model": model, "messages": messages, "max_tokens": 4, "temperature": 0})
+        response = httpx.post(
+            f"{served.url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": model, "messages": messages, "max_tokens": 4, "temperature": 0},
+        )
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -161,8 +211,9 @@ def test_developer_role_is_a_system_message(served: ServedEngine, model: str) ->
     assert developer["choices"][0]["message"] == system["choices"][0]["message"]
 
 
-def test_models_lists_other_local_models_after_the_loaded_one(served: ServedEngine, model: str,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_models_lists_other_local_models_after_the_loaded_one(
+    served: ServedEngine, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from chatapp import store
 
     listing = [  # the store's LocalModel shape: name, path, facts.supported
@@ -174,25 +225,31 @@ def test_models_lists_other_local_models_after_the_loaded_one(served: ServedEngi
     data = httpx.get(f"{served.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
     assert [m["id"] for m in data] == [model, "org/other-model"]
     assert all(m["object"] == "model" and m["owned_by"] == "chatapp" and m["created"] > 0 for m in data)
-    other = httpx.post(f"{served.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"model": "org/other-model", "messages": [{"role": "user", "content": "hi"}]})
+    other = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": "org/other-model", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert other.status_code == 404 and other.json()["error"]["param"] == "model"
 
 
 def test_cors_headers_only_for_named_origins(served: ServedEngine) -> None:
     from chatapp.server import start_server
 
-    preflight = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization,content-type"}
+    preflight = {
+        "Origin": "http://localhost:3000",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
     default = httpx.options(f"{served.url}/v1/chat/completions", headers=preflight)
     assert "access-control-allow-origin" not in default.headers
-    plain = httpx.get(f"{served.url}/v1/models", headers={"Origin": "http://localhost:3000",
-                                                         "Authorization": f"Bearer {KEY}"})
+    plain = httpx.get(
+        f"{served.url}/v1/models", headers={"Origin": "http://localhost:3000", "Authorization": f"Bearer {KEY}"}
+    )
     assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
 
     async def start() -> Any:
-        return await start_server(served.client, "127.0.0.1", 0, api_key=KEY,
-                                  cors_origins=["http://localhost:3000"])
+        return await start_server(served.client, "127.0.0.1", 0, api_key=KEY, cors_origins=["http://localhost:3000"])
 
     handle = served.run(start)
     try:
@@ -201,15 +258,15 @@ def test_cors_headers_only_for_named_origins(served: ServedEngine) -> None:
         assert allowed.headers["access-control-allow-origin"] == "http://localhost:3000"
         other = httpx.options(f"{handle.url}/v1/chat/completions", headers={**preflight, "Origin": "http://evil.test"})
         assert "access-control-allow-origin" not in other.headers
-        listed = httpx.get(f"{handle.url}/v1/models", headers={"Origin": "http://localhost:3000",
-                                                               "Authorization": f"Bearer {KEY}"})
+        listed = httpx.get(
+            f"{handle.url}/v1/models", headers={"Origin": "http://localhost:3000", "Authorization": f"Bearer {KEY}"}
+        )
         assert listed.headers["access-control-allow-origin"] == "http://localhost:3000"
     finally:
         served.run(handle.stop)
 
 
-def test_engine_death_mid_stream_is_an_error_event_then_the_server_recovers(served: ServedEngine,
-                                                                           model: str) -> None:
+def test_engine_death_mid_stream_is_an_error_event_then_the_server_recovers(served: ServedEngine, model: str) -> None:
     """Runs last: it kills this module's engine. The stream ends with an error event and [DONE];
     the server answers 503 with Retry-After while it restarts the engine, then serves again."""
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -220,13 +277,14 @@ def test_engine_death_mid_stream_is_an_error_event_then_the_server_recovers(serv
             lines.append(line)
             if len(lines) == 6:
                 os.kill(served.client.engine_pid, signal.SIGKILL)
-    events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])
     assert set(error) == {"error"} and error["error"]["message"] and error["error"]["type"] == "server_error"
 
-    during = httpx.post(f"{served.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
-                        headers=headers, timeout=60)
+    during = httpx.post(
+        f"{served.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, headers=headers, timeout=60
+    )
     assert during.status_code == 503 and int(during.headers["retry-after"]) > 0
     assert during.json()["error"]["code"] == "engine_unavailable"
 
@@ -234,6 +292,7 @@ def test_engine_death_mid_stream_is_an_error_event_then_the_server_recovers(serv
     while httpx.get(f"{served.url}/health").status_code != 200:
         assert time.monotonic() < deadline, "the engine did not come back"
         time.sleep(0.25)
-    after = httpx.post(f"{served.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
-                       headers=headers, timeout=60)
+    after = httpx.post(
+        f"{served.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, headers=headers, timeout=60
+    )
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2

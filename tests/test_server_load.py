@@ -40,13 +40,15 @@ def model(served: ServedEngine) -> str:
 
 def test_32_concurrent_streams_match_solo_runs(served: ServedEngine, model: str) -> None:
     sdk = OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
-    solo = [sdk.completions.create(model=model, prompt=p, max_tokens=24, temperature=0).choices[0].text
-            for p in PROMPTS]
+    solo = [
+        sdk.completions.create(model=model, prompt=p, max_tokens=24, temperature=0).choices[0].text for p in PROMPTS
+    ]
 
     async def stream(client: AsyncOpenAI, messages_prompt: str) -> tuple[str, str | None, int]:
         text, finish, ids = "", None, set()
-        async for chunk in await client.completions.create(model=model, prompt=messages_prompt, max_tokens=24,
-                                                           temperature=0, stream=True):
+        async for chunk in await client.completions.create(
+            model=model, prompt=messages_prompt, max_tokens=24, temperature=0, stream=True
+        ):
             ids.add(chunk.id)
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or finish
@@ -103,13 +105,15 @@ def test_200_short_timeouts_abort_and_the_server_stays_responsive(served: Served
         try:
             async with asyncio.timeout(1.0):
                 if i % 2:
-                    async with await client.completions.create(model=model, prompt=PROMPTS[i % 32],
-                                                               max_tokens=ENDLESS, stream=True) as stream:
+                    async with await client.completions.create(
+                        model=model, prompt=PROMPTS[i % 32], max_tokens=ENDLESS, stream=True
+                    ) as stream:
                         async for _ in stream:
                             pass
                 else:
-                    await client.chat.completions.create(model=model, max_tokens=ENDLESS,
-                                                         messages=[{"role": "user", "content": PROMPTS[i % 32]}])
+                    await client.chat.completions.create(
+                        model=model, max_tokens=ENDLESS, messages=[{"role": "user", "content": PROMPTS[i % 32]}]
+                    )
         except (TimeoutError, openai.APITimeoutError) as exc:
             return exc
         return None

@@ -51,6 +51,7 @@ def tokenizer() -> Tokenizer:
 
 def engine_run(served: ServedEngine, params: SamplingParams, **prompt: Any) -> tuple[str, list[int]]:
     """The same request straight through the engine client, bypassing HTTP."""
+
     async def go() -> tuple[str, list[int]]:
         text, ids = "", []
         async for delta in served.client.generate(params=params, **prompt):
@@ -93,9 +94,16 @@ def test_health_needs_no_key_and_metrics_do(served: ServedEngine) -> None:
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert raw(served, "GET", "/metrics", key=None).status_code == 401
     metrics = raw(served, "GET", "/metrics").text
-    for name in ("chatapp_requests_running", "chatapp_requests_waiting", "chatapp_kv_cache_blocks_used",
-                 "chatapp_kv_cache_blocks_total", "chatapp_prefix_cache_hit_rate", "chatapp_preemptions_total",
-                 "chatapp_prompt_tokens_total", "chatapp_generation_tokens_total"):
+    for name in (
+        "chatapp_requests_running",
+        "chatapp_requests_waiting",
+        "chatapp_kv_cache_blocks_used",
+        "chatapp_kv_cache_blocks_total",
+        "chatapp_prefix_cache_hit_rate",
+        "chatapp_preemptions_total",
+        "chatapp_prompt_tokens_total",
+        "chatapp_generation_tokens_total",
+    ):
         assert f"# TYPE {name} " in metrics and f'{name}{{model="SmolLM2-135M-Instruct"}} ' in metrics
 
 
@@ -109,7 +117,8 @@ def test_openapi_document_lists_the_endpoints(served: ServedEngine) -> None:
 
 
 def test_chat_matches_the_engine_and_counts_tokens_like_the_tokenizer(
-        served: ServedEngine, sdk: OpenAI, model: str, tokenizer: Tokenizer) -> None:
+    served: ServedEngine, sdk: OpenAI, model: str, tokenizer: Tokenizer
+) -> None:
     out = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0)
     text, ids = engine_run(served, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), messages=QUESTION)
     assert out.id.startswith("chatcmpl-") and out.object == "chat.completion" and out.model == model
@@ -123,8 +132,16 @@ def test_chat_matches_the_engine_and_counts_tokens_like_the_tokenizer(
 
 def test_chat_stream_shape_and_usage(sdk: OpenAI, model: str, tokenizer: Tokenizer) -> None:
     whole = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0)
-    chunks = list(sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        sdk.chat.completions.create(
+            model=model,
+            messages=QUESTION,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     assert all(c.object == "chat.completion.chunk" and c.model == model for c in chunks)
     first = chunks[0].choices[0]
@@ -146,14 +163,18 @@ def test_stream_without_include_usage_has_no_usage_chunk(served: ServedEngine, m
     body = {"model": model, "messages": QUESTION, "max_tokens": 2, "temperature": 0, "stream": True}
     response = raw(served, "POST", "/v1/chat/completions", json=body)
     assert response.headers["content-type"].startswith("text/event-stream")
-    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert all('"usage"' not in e and '"choices":[]' not in e for e in events[:-1])
 
 
 def test_max_completion_tokens_limits_the_answer(sdk: OpenAI, model: str) -> None:
-    out = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
-                                      max_completion_tokens=3, temperature=0)
+    out = sdk.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_completion_tokens=3,
+        temperature=0,
+    )
     assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
 
 
@@ -161,8 +182,9 @@ def test_n_choices_with_a_seed_are_repeatable_and_differ(sdk: OpenAI, model: str
     first_prompt_tokens = len(tokenizer.render_chat(QUESTION))
 
     def ask() -> list[str]:
-        out = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, n=2, seed=1234,
-                                          temperature=1.0)
+        out = sdk.chat.completions.create(
+            model=model, messages=QUESTION, max_tokens=MAX_TOKENS, n=2, seed=1234, temperature=1.0
+        )
         assert [c.index for c in out.choices] == [0, 1]
         assert 2 <= out.usage.completion_tokens <= 2 * MAX_TOKENS  # both choices counted
         assert out.usage.prompt_tokens == first_prompt_tokens  # the shared prompt once
@@ -175,8 +197,13 @@ def test_n_choices_with_a_seed_are_repeatable_and_differ(sdk: OpenAI, model: str
 
 def test_seed_repeats_and_other_seeds_differ(sdk: OpenAI, model: str) -> None:
     def ask(seed: int) -> str:
-        return sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, seed=seed,
-                                           temperature=1.0).choices[0].message.content
+        return (
+            sdk.chat.completions.create(
+                model=model, messages=QUESTION, max_tokens=MAX_TOKENS, seed=seed, temperature=1.0
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert ask(7) == ask(7)
     assert len({ask(7), ask(8), ask(9)}) > 1
@@ -188,15 +215,17 @@ def test_stop_string_ends_the_answer_before_it(sdk: OpenAI, model: str) -> None:
     words = text.split()
     assert len(words) >= 3, text
     stop = " " + words[2]
-    out = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
-                                      stop=["never-appears", stop])
+    out = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0, stop=["never-appears", stop]
+    )
     assert out.choices[0].finish_reason == "stop"
     assert out.choices[0].message.content == text[: text.index(stop)]
 
 
 def test_chat_logprobs(sdk: OpenAI, model: str) -> None:
-    out = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
-                                      logprobs=True, top_logprobs=3)
+    out = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     for entry in content:
@@ -210,16 +239,18 @@ def test_chat_logprobs(sdk: OpenAI, model: str) -> None:
 def test_logit_bias_bans_the_greedy_first_token(sdk: OpenAI, model: str, tokenizer: Tokenizer) -> None:
     greedy = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, temperature=0, logprobs=True)
     banned = tokenizer.encode(greedy.choices[0].logprobs.content[0].token)[0]
-    out = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, temperature=0, logprobs=True,
-                                      logit_bias={str(banned): -100})
+    out = sdk.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=1, temperature=0, logprobs=True, logit_bias={str(banned): -100}
+    )
     assert tokenizer.encode(out.choices[0].logprobs.content[0].token)[0] != banned
 
 
 # -- completions ------------------------------------------------------------------------
 
 
-def test_completions_text_list_and_token_prompts(served: ServedEngine, sdk: OpenAI, model: str,
-                                                 tokenizer: Tokenizer) -> None:
+def test_completions_text_list_and_token_prompts(
+    served: ServedEngine, sdk: OpenAI, model: str, tokenizer: Tokenizer
+) -> None:
     prompt = "The capital of France is"
     ids = tokenizer.encode(prompt)
     text, out_ids = engine_run(served, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt=prompt)
@@ -239,16 +270,27 @@ def test_completions_stream_and_logprobs(sdk: OpenAI, model: str) -> None:
     whole = sdk.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
     lp = whole.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
-    assert all(len(top) == 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
-               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(
+        len(top) == 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)
+        for top, chosen in zip(lp.top_logprobs, lp.token_logprobs)
+    )
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    chunks = list(sdk.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                         stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        sdk.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len({c.id for c in chunks}) == 1
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-        whole.choices[0].finish_reason]
+        whole.choices[0].finish_reason
+    ]
 
 
 # -- embeddings ---------------------------------------------------------------------------
@@ -274,21 +316,25 @@ def test_embeddings_float_and_base64(served: ServedEngine, sdk: OpenAI, model: s
 # -- errors -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra, param", [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"n": 0}, "n"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"temperature": "hot"}, "temperature"),  # a pydantic error: 400, not FastAPI's 422
-    ({"seed": 2**70}, "seed"),
-    ({"stop": ["x"] * 300}, "stop"),
-])
-def test_invalid_parameters_are_400_naming_the_field(sdk: OpenAI, model: str, extra: dict[str, Any],
-                                                     param: str) -> None:
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"temperature": "hot"}, "temperature"),  # a pydantic error: 400, not FastAPI's 422
+        ({"seed": 2**70}, "seed"),
+        ({"stop": ["x"] * 300}, "stop"),
+    ],
+)
+def test_invalid_parameters_are_400_naming_the_field(
+    sdk: OpenAI, model: str, extra: dict[str, Any], param: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=2, extra_body=extra)
     assert info.value.status_code == 400 and info.value.param == param
@@ -296,8 +342,15 @@ def test_invalid_parameters_are_400_naming_the_field(sdk: OpenAI, model: str, ex
 
 
 def test_unsupported_content_parts_name_the_part(sdk: OpenAI, model: str) -> None:
-    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                             {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "data:,"}},
+            ],
+        }
+    ]
     with pytest.raises(openai.BadRequestError) as info:
         sdk.chat.completions.create(model=model, messages=messages, max_tokens=2)
     assert info.value.param == "messages[0].content[1]" and "image" in info.value.message
@@ -309,16 +362,22 @@ def test_unsupported_content_parts_name_the_part(sdk: OpenAI, model: str) -> Non
 def test_missing_field_and_bad_json_are_400(served: ServedEngine) -> None:
     missing = raw(served, "POST", "/v1/chat/completions", json={"max_tokens": 2})
     assert missing.status_code == 400 and assert_error_shape(missing.json())["param"] == "messages"
-    broken = raw(served, "POST", "/v1/chat/completions", content=b'{"messages": [',
-                 headers={"Content-Type": "application/json"})
+    broken = raw(
+        served, "POST", "/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"}
+    )
     assert broken.status_code == 400 and "JSON" in assert_error_shape(broken.json())["message"]
-    nan = raw(served, "POST", "/v1/chat/completions",
-              content=b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}')
+    nan = raw(
+        served,
+        "POST",
+        "/v1/chat/completions",
+        content=b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+    )
     assert nan.status_code == 400 and assert_error_shape(nan.json())["param"] == "temperature"
 
 
-def test_prompt_too_long_gets_the_context_length_message(served: ServedEngine, sdk: OpenAI, model: str,
-                                                         tokenizer: Tokenizer) -> None:
+def test_prompt_too_long_gets_the_context_length_message(
+    served: ServedEngine, sdk: OpenAI, model: str, tokenizer: Tokenizer
+) -> None:
     limit = served.client.model_info.max_model_len
     content = "hello " * limit
     with pytest.raises(openai.BadRequestError) as info:

@@ -64,7 +64,9 @@ def test_round_trip(path):
 
 
 def test_a_hand_written_file_is_read(path):
-    write(path, """
+    write(
+        path,
+        """
         default_model = "my-model"
         theme = "nord"
 
@@ -77,7 +79,8 @@ def test_a_hand_written_file_is_read(path):
         [[endpoints]]
         name = "work"
         base_url = "http://gpu-box:8000/v1"
-    """)
+    """,
+    )
     s = load(path)
     assert (s.default_model, s.theme, s.engine.kv_cache_memory_gib) == ("my-model", "nord", 4.0)
     assert (s.server.host, s.server.port) == ("127.0.0.1", 8080)
@@ -85,12 +88,15 @@ def test_a_hand_written_file_is_read(path):
 
 
 def test_remapped_keys_keep_defaults_for_the_rest(path):
-    write(path, """
+    write(
+        path,
+        """
         [keys]
         new_session = "ctrl+t"
         quit = "ctrl+q,ctrl+c"
         export = ""
-    """)
+    """,
+    )
     keys = load(path).keys
     assert keys["new_session"] == "ctrl+t"
     assert keys["quit"] == "ctrl+q,ctrl+c"
@@ -100,7 +106,9 @@ def test_remapped_keys_keep_defaults_for_the_rest(path):
 
 
 def test_unknown_keys_are_kept_when_saving(path):
-    write(path, """
+    write(
+        path,
+        """
         theme = "nord"
         from_the_future = [1, 2]
 
@@ -113,7 +121,8 @@ def test_unknown_keys_are_kept_when_saving(path):
 
         [keys]
         teleport = "ctrl+y"
-    """)
+    """,
+    )
     s = load(path)
     assert s.unknown_actions() == ["teleport"]
     s.theme = "gruvbox"
@@ -126,35 +135,49 @@ def test_unknown_keys_are_kept_when_saving(path):
 
 
 def test_bad_toml_names_the_file_and_line(path):
-    write(path, """
+    write(
+        path,
+        """
         theme = "nord"
 
         [server]
         port = 80 80
-    """)
+    """,
+    )
     with pytest.raises(SettingsError) as info:
         load(path)
     assert str(path) in str(info.value) and "line 4" in str(info.value) and "not valid TOML" in str(info.value)
     assert info.value.line == 4 and info.value.path == path
 
 
-@pytest.mark.parametrize("text, field, line, fragment", [
-    ('theme = "nord"\n[server]\nport = "8080"\n', "server.port", 3, "valid integer"),
-    ('[server]\nport = 70000\n', "server.port", 2, "less than or equal to 65535"),
-    ('[server]\nport = true\n', "server.port", 2, "valid integer"),
-    ('[engine]\nkv_cache_memory_gib = -1\n', "engine.kv_cache_memory_gib", 2, "greater than 0"),
-    ('theme = ""\n', "theme", 1, "at least 1 character"),
-    ('default_model = 3\n', "default_model", 1, "valid string"),
-    ('server = 5\n', "server", 1, "ServerSettings"),
-    ('[[endpoints]]\nname = "a"\nbase_url = "http://a"\n[[endpoints]]\nname = "b"\nbase_url = "b.com"\n',
-     "endpoints[1].base_url", 6, "http:// or https://"),
-    ('[[endpoints]]\nname = "a"\n', "endpoints[0].base_url", 1, "required"),
-    ('[[endpoints]]\nname = "a"\nbase_url = "http://a"\n[[endpoints]]\nname = "a"\nbase_url = "http://b"\n',
-     "endpoints", 1, "named 'a'"),
-    ('[keys]\nquit = "ctrl q"\n', "keys.quit", 2, "not a key"),
-    ('[keys]\nquit = 5\n', "keys.quit", 2, "valid string"),
-    ('[keys]\nsearch = "ctrl+n"\n', "keys", 1, "'ctrl+n' is bound to both"),
-])
+@pytest.mark.parametrize(
+    "text, field, line, fragment",
+    [
+        ('theme = "nord"\n[server]\nport = "8080"\n', "server.port", 3, "valid integer"),
+        ("[server]\nport = 70000\n", "server.port", 2, "less than or equal to 65535"),
+        ("[server]\nport = true\n", "server.port", 2, "valid integer"),
+        ("[engine]\nkv_cache_memory_gib = -1\n", "engine.kv_cache_memory_gib", 2, "greater than 0"),
+        ('theme = ""\n', "theme", 1, "at least 1 character"),
+        ("default_model = 3\n", "default_model", 1, "valid string"),
+        ("server = 5\n", "server", 1, "ServerSettings"),
+        (
+            '[[endpoints]]\nname = "a"\nbase_url = "http://a"\n[[endpoints]]\nname = "b"\nbase_url = "b.com"\n',
+            "endpoints[1].base_url",
+            6,
+            "http:// or https://",
+        ),
+        ('[[endpoints]]\nname = "a"\n', "endpoints[0].base_url", 1, "required"),
+        (
+            '[[endpoints]]\nname = "a"\nbase_url = "http://a"\n[[endpoints]]\nname = "a"\nbase_url = "http://b"\n',
+            "endpoints",
+            1,
+            "named 'a'",
+        ),
+        ('[keys]\nquit = "ctrl q"\n', "keys.quit", 2, "not a key"),
+        ("[keys]\nquit = 5\n", "keys.quit", 2, "valid string"),
+        ('[keys]\nsearch = "ctrl+n"\n', "keys", 1, "'ctrl+n' is bound to both"),
+    ],
+)
 def test_bad_values_name_the_field_and_line(path, text, field, line, fragment):
     path.write_text(text)
     with pytest.raises(SettingsError) as info:
@@ -166,7 +189,7 @@ def test_bad_values_name_the_field_and_line(path, text, field, line, fragment):
 
 
 def test_secrets_are_not_echoed_in_errors(path):
-    path.write_text('[server]\napi_key = 123456789\n')
+    path.write_text("[server]\napi_key = 123456789\n")
     with pytest.raises(SettingsError) as info:
         load(path)
     assert "server.api_key" in str(info.value) and "123456789" not in str(info.value)

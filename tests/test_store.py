@@ -37,10 +37,17 @@ def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_bundled_model_is_found_offline_on_a_fresh_install(tmp_path: Path) -> None:
     """A fresh process with no network and an empty HF cache and registry lists and resolves it."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": DEAD_HUB, "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"), "CHATAPP_DATA_DIR": str(tmp_path / "data")}
-    listing = subprocess.run([sys.executable, "-m", "chatapp", "models", "list"], env=env,
-                             capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_ENDPOINT": DEAD_HUB,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_CACHE": str(tmp_path / "hf" / "hub"),
+        "CHATAPP_DATA_DIR": str(tmp_path / "data"),
+    }
+    listing = subprocess.run(
+        [sys.executable, "-m", "chatapp", "models", "list"], env=env, capture_output=True, text=True, timeout=300
+    )
     assert listing.returncode == 0, listing.stderr
     row = next(line for line in listing.stdout.splitlines() if line.startswith(store.BUNDLED_NAME))
     assert row.split()[1:4] == ["bundled", "LlamaForCausalLM", "135M"] and "Q4_1" in row and row.endswith("ok")
@@ -54,8 +61,7 @@ def test_bundled_model_is_found_offline_on_a_fresh_install(tmp_path: Path) -> No
     assert source == "bundled" and Path(path) == store.bundled_gguf_path()
 
 
-def test_a_gguf_file_resolves_to_itself_and_nothing_is_converted(tmp_path: Path, fresh_cache: Path,
-                                                                  home: Path) -> None:
+def test_a_gguf_file_resolves_to_itself_and_nothing_is_converted(tmp_path: Path, fresh_cache: Path, home: Path) -> None:
     """The engine reads GGUF files in place: resolving writes no converted copy anywhere."""
     gguf = tiny_gguf(tmp_path / "mine.gguf")
     first = store.resolve_model(str(gguf))
@@ -105,8 +111,9 @@ def test_model_flag_remembers_the_path(home: Path, tiny_llama: Path) -> None:
     assert store.registered_paths() == [tiny_llama.resolve()]
 
 
-def test_unsupported_and_vanished_paths_are_listed_with_the_reason(home: Path, tmp_path: Path,
-                                                                    tiny_llama: Path) -> None:
+def test_unsupported_and_vanished_paths_are_listed_with_the_reason(
+    home: Path, tmp_path: Path, tiny_llama: Path
+) -> None:
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     for name, data in with_config(tiny_llama, architectures=["GPT2LMHeadModel"], model_type="gpt2").items():
@@ -161,8 +168,9 @@ def test_an_unreadable_registry_is_kept_aside_not_overwritten(home: Path, tiny_l
     assert [p.read_text() for p in kept] == ["{ this is not json"]
 
 
-def test_a_registered_gguf_is_forgotten_and_only_our_cached_files_deleted(home: Path, tmp_path: Path,
-                                                                         fresh_cache: Path) -> None:
+def test_a_registered_gguf_is_forgotten_and_only_our_cached_files_deleted(
+    home: Path, tmp_path: Path, fresh_cache: Path
+) -> None:
     """`models rm` forgets the user's file and deletes what we cached for it: its tokenizer and the
     float32 conversion an earlier chatapp made (the GGUF file itself stays)."""
     from chatapp.engine.tokenizer import gguf_tokenizer_cache
@@ -185,11 +193,14 @@ def test_a_registered_gguf_is_forgotten_and_only_our_cached_files_deleted(home: 
 # --- names that lead nowhere ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("nobody/nothing", "not in the Hugging Face cache; download it with `chatapp models pull nobody/nothing`"),
-    ("nobody/nothing:x.gguf", "chatapp models pull nobody/nothing:x.gguf"),
-    ("just-a-word", "not a path, and not a Hugging Face repo id"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nobody/nothing", "not in the Hugging Face cache; download it with `chatapp models pull nobody/nothing`"),
+        ("nobody/nothing:x.gguf", "chatapp models pull nobody/nothing:x.gguf"),
+        ("just-a-word", "not a path, and not a Hugging Face repo id"),
+    ],
+)
 def test_unknown_names_say_what_to_do(home: Path, spec: str, message: str) -> None:
     with pytest.raises(store.ModelNotFoundError) as err:
         store.resolve_model(spec)
@@ -256,11 +267,15 @@ def test_the_engine_is_a_leaf_package() -> None:
     offenders = []
     for source in engine.rglob("*.py"):
         for node in ast.walk(ast.parse(source.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             for name in names:
-                if name.startswith("chatapp.") and not name.startswith(("chatapp.engine", "chatapp.kernels",
-                                                                         "chatapp.paths")):
+                if name.startswith("chatapp.") and not name.startswith(
+                    ("chatapp.engine", "chatapp.kernels", "chatapp.paths")
+                ):
                     offenders.append(f"{source.relative_to(engine)}: {name}")
     assert offenders == []
 

@@ -12,12 +12,24 @@ import pytest
 from chatapp.engine.tokenizer import TextTokenizer, Tokenizer, load_hf_tokenizer, prepare_tokenizer_files
 from chatapp.store import bundled_gguf_path
 
-TEXTS = ["Hello there!", "  leading spaces and trailing  ", "Ünïcödé — 漢字 and 🎉 emoji", "def f(x):\n\treturn x ** 2\n",
-         "It's a test , isn't it ? Yes !", "<|im_start|>user\nliteral specials<|im_end|>", "", "a" * 300]
+TEXTS = [
+    "Hello there!",
+    "  leading spaces and trailing  ",
+    "Ünïcödé — 漢字 and 🎉 emoji",
+    "def f(x):\n\treturn x ** 2\n",
+    "It's a test , isn't it ? Yes !",
+    "<|im_start|>user\nliteral specials<|im_end|>",
+    "",
+    "a" * 300,
+]
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why is the sky blue?"},
-     {"role": "assistant", "content": "Rayleigh scattering."}, {"role": "user", "content": "And sunsets?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Why is the sky blue?"},
+        {"role": "assistant", "content": "Rayleigh scattering."},
+        {"role": "user", "content": "And sunsets?"},
+    ],
     [{"role": "user", "content": "Ünïcödé 🎉\nsecond line"}],
 ]
 
@@ -46,17 +58,20 @@ def test_chat_template_renders_as_transformers_does(pair) -> None:
     for messages in CONVERSATIONS:
         for add in (True, False):
             assert ours.apply_chat_template(messages, add_generation_prompt=add) == hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add)
+                messages, tokenize=False, add_generation_prompt=add
+            )
 
 
 def test_template_features_hub_templates_use(pair, tmp_path: Path) -> None:
     """tojson keeps non-ASCII, loop controls, raise_exception, the generation tag, special tokens, tools."""
     _, hf = pair
-    template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
-                "{% if m.role not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}"
-                "{% generation %}[{{ m.role }}] {{ m.content | tojson }}{% endgeneration %}\n{% endfor %}"
-                "{% if tools is defined and tools is not none %}TOOLS{% endif %}"
-                "{% if add_generation_prompt %}[assistant]{{ eos_token }}{% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{% if m.role not in ['user', 'assistant'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}"
+        "{% generation %}[{{ m.role }}] {{ m.content | tojson }}{% endgeneration %}\n{% endfor %}"
+        "{% if tools is defined and tools is not none %}TOOLS{% endif %}"
+        "{% if add_generation_prompt %}[assistant]{{ eos_token }}{% endif %}"
+    )
     directory = tmp_path / "tok"
     hf.save_pretrained(str(directory))
     config = json.loads((directory / "tokenizer_config.json").read_text())
@@ -67,10 +82,14 @@ def test_template_features_hub_templates_use(pair, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     reference = AutoTokenizer.from_pretrained(str(directory))
-    messages = [{"role": "system", "content": "skip"}, {"role": "user", "content": "naïve \"quote\" 🎉"},
-                {"role": "assistant", "content": "ok"}]
-    assert ours.apply_chat_template(messages) == reference.apply_chat_template(messages, tokenize=False,
-                                                                               add_generation_prompt=True)
+    messages = [
+        {"role": "system", "content": "skip"},
+        {"role": "user", "content": 'naïve "quote" 🎉'},
+        {"role": "assistant", "content": "ok"},
+    ]
+    assert ours.apply_chat_template(messages) == reference.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert "naïve" in ours.apply_chat_template(messages)
     import jinja2
 
@@ -80,10 +99,12 @@ def test_template_features_hub_templates_use(pair, tmp_path: Path) -> None:
 
 def test_a_client_tokenizer_imports_neither_torch_nor_transformers() -> None:
     prepare_tokenizer_files(bundled_gguf_path())  # what the engine does while it loads
-    code = ("import sys\nfrom chatapp.engine.tokenizer import Tokenizer\nfrom chatapp.store import bundled_gguf_path\n"
-            "t = Tokenizer(bundled_gguf_path())\nids = t.render_chat([{'role': 'user', 'content': 'Hi'}])\n"
-            "assert t.decode(ids) and ids\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys\nfrom chatapp.engine.tokenizer import Tokenizer\nfrom chatapp.store import bundled_gguf_path\n"
+        "t = Tokenizer(bundled_gguf_path())\nids = t.render_chat([{'role': 'user', 'content': 'Hi'}])\n"
+        "assert t.decode(ids) and ids\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 

@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 async def test_sigkill_mid_stream_keeps_the_partial_answer_marked_incomplete(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.tui_crash_app", str(tmp_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.tui_crash_app", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()  # blocks until the child says so (or exits)
         assert line.strip() == "STREAMING", proc.stderr.read() if proc.poll() is not None else line
@@ -37,7 +43,8 @@ async def test_sigkill_mid_stream_keeps_the_partial_answer_marked_incomplete(tmp
     conn = sqlite3.connect(tmp_path / "history.sqlite3")
     assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
     assert conn.execute("SELECT content, status FROM messages WHERE role = 'assistant'").fetchall() == [
-        (PARTIAL, "streaming")]  # as the killed process left it
+        (PARTIAL, "streaming")
+    ]  # as the killed process left it
     conn.close()
 
     app = make_app(tmp_path)

@@ -62,7 +62,8 @@ def real_app(data_dir: Path, **kwargs: Any) -> ChatApp:
 
 
 async def test_two_sessions_stream_together_and_match_the_offline_engine(
-        keeper: Any, reference: dict[str, str], data_dir: Path) -> None:
+    keeper: Any, reference: dict[str, str], data_dir: Path
+) -> None:
     app = real_app(data_dir)
     async with app.run_test(size=(140, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.state in ("ready", "busy"), "engine attached", steps=3000)
@@ -83,8 +84,12 @@ async def test_two_sessions_stream_together_and_match_the_offline_engine(
         first.prompt.focus()
         await wait_for(pilot, lambda: main_screen(app).active == 0, "first pane active")
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: answered(first) and len(first.conversation.leaf.parent.children) == 2,
-                       "regenerated", steps=3000)
+        await wait_for(
+            pilot,
+            lambda: answered(first) and len(first.conversation.leaf.parent.children) == 2,
+            "regenerated",
+            steps=3000,
+        )
         regenerated = first.conversation.leaf
         assert regenerated.content == reference[PROMPTS[0]]
         assert first.conversation.branch(regenerated).count == 2
@@ -129,17 +134,24 @@ async def test_restarted_app_restores_the_sessions(keeper: Any, reference: dict[
 
 
 async def test_remote_session_streams_from_our_openai_compatible_server(
-        keeper: Any, reference: dict[str, str], tmp_path: Path) -> None:
+    keeper: Any, reference: dict[str, str], tmp_path: Path
+) -> None:
     from chatapp.server import start_server
 
     handle = await start_server(keeper, "127.0.0.1", 0)
     try:
         with HistoryStore(tmp_path / "history.sqlite3") as store:
-            store.create_session("Remote", model=keeper.model_info.name,
-                                 sampling={"temperature": 0, "max_tokens": MAX_TOKENS},
-                                 backend=Backend.remote(f"{handle.url}/v1"))
-        app = ChatApp(settings_path=tmp_path / "settings.toml", history_path=tmp_path / "history.sqlite3",
-                      use_default_engine=False)
+            store.create_session(
+                "Remote",
+                model=keeper.model_info.name,
+                sampling={"temperature": 0, "max_tokens": MAX_TOKENS},
+                backend=Backend.remote(f"{handle.url}/v1"),
+            )
+        app = ChatApp(
+            settings_path=tmp_path / "settings.toml",
+            history_path=tmp_path / "history.sqlite3",
+            use_default_engine=False,
+        )
         async with app.run_test(size=(120, 40)) as pilot:
             pane = panes(app)[0]
             assert pane.config.is_remote
@@ -157,7 +169,7 @@ async def test_remote_session_streams_from_our_openai_compatible_server(
 async def test_api_port_toggles_on_the_same_engine(keeper: Any, tmp_path: Path) -> None:
     import httpx
 
-    (tmp_path / "settings.toml").write_text("[server]\nhost = \"127.0.0.1\"\nport = 0\n")  # 0: any free port
+    (tmp_path / "settings.toml").write_text('[server]\nhost = "127.0.0.1"\nport = 0\n')  # 0: any free port
     app = ChatApp(settings_path=tmp_path / "settings.toml", history_path=tmp_path / "history.sqlite3")
     async with app.run_test(size=(140, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.state in ("ready", "busy"), "engine attached", steps=3000)
@@ -174,11 +186,13 @@ async def test_api_port_toggles_on_the_same_engine(keeper: Any, tmp_path: Path) 
         await app.action_quit()
 
 
-async def test_killed_engine_shows_dead_and_restarts(keeper: Any, reference: dict[str, str],
-                                                      tmp_path: Path) -> None:
+async def test_killed_engine_shows_dead_and_restarts(keeper: Any, reference: dict[str, str], tmp_path: Path) -> None:
     """Last in the module: it kills the shared engine."""
-    app = ChatApp(settings_path=tmp_path / "settings.toml", history_path=tmp_path / "history.sqlite3",
-                  session_sampling={"temperature": 0, "max_tokens": MAX_TOKENS})
+    app = ChatApp(
+        settings_path=tmp_path / "settings.toml",
+        history_path=tmp_path / "history.sqlite3",
+        session_sampling={"temperature": 0, "max_tokens": MAX_TOKENS},
+    )
     async with app.run_test(size=(140, 40)) as pilot:
         bar = main_screen(app).query_one(StatusBar)
         await wait_for(pilot, lambda: bar.engine.state == "ready", "engine attached", steps=3000)

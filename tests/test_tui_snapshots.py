@@ -22,13 +22,19 @@ pytestmark = pytest.mark.timeout(120)
 SIZE = (150, 40)
 
 CONVERSATIONS = [
-    ("Python help", "How do I reverse a list in Python?",
-     "Use slicing or `reversed()`:\n\n```python\nitems = [1, 2, 3]\nprint(items[::-1])\n```\n\n"
-     "Slicing makes a copy; `items.reverse()` works in place.",
-     Metrics(31, 42, 87.5, 120.0)),
-    ("Trip ideas", "Suggest a weekend trip from Paris.",
-     "**Normandy** is two hours away:\n\n- Mont-Saint-Michel\n- Étretat cliffs\n- Honfleur harbour",
-     Metrics(28, 30, 91.2, 95.0)),
+    (
+        "Python help",
+        "How do I reverse a list in Python?",
+        "Use slicing or `reversed()`:\n\n```python\nitems = [1, 2, 3]\nprint(items[::-1])\n```\n\n"
+        "Slicing makes a copy; `items.reverse()` works in place.",
+        Metrics(31, 42, 87.5, 120.0),
+    ),
+    (
+        "Trip ideas",
+        "Suggest a weekend trip from Paris.",
+        "**Normandy** is two hours away:\n\n- Mont-Saint-Michel\n- Étretat cliffs\n- Honfleur harbour",
+        Metrics(28, 30, 91.2, 95.0),
+    ),
     ("Math", "What is 12 × 12?", "12 × 12 = **144**.", Metrics(25, 9, 78.0, 110.0)),
 ]
 
@@ -43,7 +49,9 @@ def fixed_history(tmp_path: Path) -> None:
         first = store.list_sessions()[0]
         q = store.path(first.id)[0]
         again = store.start_answer(first.id, q.id, model="FakeLM-1M")  # a second branch: "‹ 2/2 ›"
-        store.finish_message(again.id, "Call `list(reversed(items))` for a new list.", metrics=Metrics(31, 12, 85.0, 100.0))
+        store.finish_message(
+            again.id, "Call `list(reversed(items))` for a new list.", metrics=Metrics(31, 12, 85.0, 100.0)
+        )
         store.update_session(store.list_sessions()[2].id, archived=False)
 
 

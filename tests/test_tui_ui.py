@@ -49,7 +49,9 @@ async def test_send_streams_the_answer_and_saves_it(tmp_path: Path) -> None:
         await app.action_quit()
     saved = stored_path(tmp_path, session_id)
     assert [(m.role, m.content, m.status) for m in saved] == [
-        ("user", "Write add()", "complete"), ("assistant", CODE_REPLY, "complete")]
+        ("user", "Write add()", "complete"),
+        ("assistant", CODE_REPLY, "complete"),
+    ]
     assert saved[1].metrics.completion_tokens == n_tokens
 
 
@@ -83,10 +85,20 @@ async def test_two_panes_stream_at_the_same_time(tmp_path: Path) -> None:
         await send(pilot, first, "A")
         await send(pilot, second, "B")
         # Both are mid-stream at once, each showing its partial text.
-        await wait_for(pilot, lambda: first.busy and second.busy and all(
-            p.conversation.path()[-1].content == "one two " for p in (first, second)), "both streaming")
-        await wait_for(pilot, lambda: "one two" in first.view_for(first.conversation.path()[-1]).body.source,
-                       "partial text on screen")
+        await wait_for(
+            pilot,
+            lambda: (
+                first.busy
+                and second.busy
+                and all(p.conversation.path()[-1].content == "one two " for p in (first, second))
+            ),
+            "both streaming",
+        )
+        await wait_for(
+            pilot,
+            lambda: "one two" in first.view_for(first.conversation.path()[-1]).body.source,
+            "partial text on screen",
+        )
         hold.set()
         await wait_for(pilot, lambda: answered(first) and answered(second), "both answers finished")
         assert [p.conversation.path()[-1].content for p in (first, second)] == ["one two three four five six"] * 2
@@ -121,8 +133,9 @@ async def test_regenerate_and_edit_make_branches_that_the_keys_switch(tmp_path: 
         await send(pilot, pane, "question")
         await wait_for(pilot, lambda: answered(pane), "first answer")
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: answered(pane) and pane.conversation.leaf.content == "second answer",
-                       "regenerated")
+        await wait_for(
+            pilot, lambda: answered(pane) and pane.conversation.leaf.content == "second answer", "regenerated"
+        )
         answer = pane.conversation.path()[-1]
         assert pane.conversation.branch(answer).index == 1 and pane.conversation.branch(answer).count == 2
         assert "‹ 2/2 ›" in str(pane.view_for(answer).query_one(".message-header").render())
@@ -140,8 +153,11 @@ async def test_regenerate_and_edit_make_branches_that_the_keys_switch(tmp_path: 
         assert pane.prompt.text == "question"
         pane.prompt.text = "question, edited"
         await pilot.press("enter")
-        await wait_for(pilot, lambda: answered(pane) and pane.conversation.leaf.content == "answer to the edit",
-                       "answer to the edit")
+        await wait_for(
+            pilot,
+            lambda: answered(pane) and pane.conversation.leaf.content == "answer to the edit",
+            "answer to the edit",
+        )
         user = pane.conversation.path()[0]
         assert user.content == "question, edited"
         assert pane.conversation.branch(user).count == 2  # the edit is a sibling of the original question
@@ -194,8 +210,10 @@ async def test_closed_session_is_found_by_search_and_reopened(tmp_path: Path) ->
         await wait_for(pilot, lambda: len(panes(app)) == 2, "reopened")
         reopened = panes(app)[1]
         assert reopened.config.db_id == session_id
-        assert [m.content for m in reopened.conversation.path()] == ["capital of France?",
-                                                                     "Paris is the capital of France."]
+        assert [m.content for m in reopened.conversation.path()] == [
+            "capital of France?",
+            "Paris is the capital of France.",
+        ]
 
 
 async def test_export_writes_markdown_and_json(tmp_path: Path) -> None:
@@ -256,8 +274,9 @@ async def test_dead_engine_is_shown_and_restarted(tmp_path: Path) -> None:
         await wait_for(pilot, lambda: bar.engine.state == "ready", "ready again")
         assert client.restarts == 1
         await pilot.press("ctrl+r")
-        await wait_for(pilot, lambda: answered(pane) and pane.conversation.leaf.status == "complete",
-                       "answer after restart")
+        await wait_for(
+            pilot, lambda: answered(pane) and pane.conversation.leaf.status == "complete", "answer after restart"
+        )
 
 
 async def test_keys_can_be_remapped_in_the_settings_file(tmp_path: Path) -> None:
@@ -327,8 +346,9 @@ async def test_model_screen_downloads_in_the_background_and_switches(tmp_path: P
         assert str(list(hub.get_row_at(0))[3]) == "will be slow"
         hub.focus()
         await pilot.press("enter")
-        await wait_for(pilot, lambda: app.latest_pull is not None and app.latest_pull.state == "downloading",
-                       "download started")
+        await wait_for(
+            pilot, lambda: app.latest_pull is not None and app.latest_pull.state == "downloading", "download started"
+        )
         gate.set()
         await pilot.press("escape")  # the download goes on without the screen
         await wait_for(pilot, lambda: app.latest_pull.state == "done", "download finished")
@@ -342,8 +362,11 @@ async def test_model_screen_downloads_in_the_background_and_switches(tmp_path: P
         await pilot.press("down", "enter")
         await wait_for(pilot, lambda: client.switched_to == ["Qwen/Qwen2.5-0.5B-Instruct"], "switched")
         await pilot.press("escape")
-        await wait_for(pilot, lambda: "now runs Qwen/Qwen2.5-0.5B-Instruct" in str(
-            panes(app)[0].query_one(".pane-notice").render()), "pane told")
+        await wait_for(
+            pilot,
+            lambda: "now runs Qwen/Qwen2.5-0.5B-Instruct" in str(panes(app)[0].query_one(".pane-notice").render()),
+            "pane told",
+        )
         assert panes(app)[0].border_subtitle == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
@@ -385,7 +408,7 @@ async def test_settings_screen_saves_the_file(tmp_path: Path) -> None:
 
 
 async def test_broken_settings_file_is_reported_and_defaults_are_used(tmp_path: Path) -> None:
-    (tmp_path / "settings.toml").write_text("[server]\nport = \"eighty\"\n")
+    (tmp_path / "settings.toml").write_text('[server]\nport = "eighty"\n')
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
@@ -446,8 +469,7 @@ async def test_four_fast_streams_are_batched_into_few_markdown_appends(tmp_path:
 def test_keymap_from_settings_unbinds_and_reports_unknown_actions() -> None:
     from chatapp.tui import keymap
 
-    mapping, warnings = keymap.keymap({"stop": "", "regenerate": "f7", "teleport": "f8",
-                                       "new_session": "ctrl+n"})
+    mapping, warnings = keymap.keymap({"stop": "", "regenerate": "f7", "teleport": "f8", "new_session": "ctrl+n"})
     assert mapping == {"stop": keymap.UNBOUND, "regenerate": "f7"}  # ctrl+n is the settings default: ours stays
     assert len(warnings) == 1 and "'teleport'" in warnings[0]
     assert keymap.key_for("next_session", {"next_session": "ctrl+pagedown"}) == "ctrl+pagedown,f6"

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 
-
 def make_tiny_model(
     path: Path,
     arch: str = "LlamaForCausalLM",

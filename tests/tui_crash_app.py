@@ -17,8 +17,7 @@ PARTIAL = "The answer so far, "
 
 async def main(data_dir: Path) -> None:
     hold = asyncio.Event()  # never set: the stream stays open until the kill
-    client = FakeClient(reply=PARTIAL + "and the rest that never comes.", chunk=len(PARTIAL), hold=hold,
-                        hold_after=1)
+    client = FakeClient(reply=PARTIAL + "and the rest that never comes.", chunk=len(PARTIAL), hold=hold, hold_after=1)
     app = make_app(data_dir, client)
     async with app.run_test(size=(100, 30)) as pilot:
         pane = panes(app)[0]
@@ -27,8 +26,12 @@ async def main(data_dir: Path) -> None:
 
         def saved() -> bool:
             node = answer()
-            return (node is not None and node.db_id is not None and app.store is not None
-                    and app.store.get_message(node.db_id).content == PARTIAL)
+            return (
+                node is not None
+                and node.db_id is not None
+                and app.store is not None
+                and app.store.get_message(node.db_id).content == PARTIAL
+            )
 
         await wait_for(pilot, saved, "partial answer saved")
         print("STREAMING", flush=True)

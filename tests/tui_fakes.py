@@ -16,9 +16,20 @@ from chatapp.engine.output_processor import OutputDelta
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.tui.model_catalog import HubEntry, LocalEntry, Progress, PullSize
 
-INFO = ModelInfo(name="FakeLM-1M", path="/models/fake", architecture="LlamaForCausalLM", max_model_len=2048,
-                 vocab_size=1000, device="cpu", dtype="float32", attention_backend="torch", quantization=None,
-                 block_size=16, num_kv_blocks=256, load_seconds=0.0)
+INFO = ModelInfo(
+    name="FakeLM-1M",
+    path="/models/fake",
+    architecture="LlamaForCausalLM",
+    max_model_len=2048,
+    vocab_size=1000,
+    device="cpu",
+    dtype="float32",
+    attention_backend="torch",
+    quantization=None,
+    block_size=16,
+    num_kv_blocks=256,
+    load_seconds=0.0,
+)
 
 
 @dataclass
@@ -37,24 +48,37 @@ class FakeClient:
     model_info: ModelInfo = INFO
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
-    stats_value: dict[str, Any] = field(default_factory=lambda: {
-        "num_running": 0, "num_waiting": 0, "kv_blocks_used": 64, "kv_blocks_free": 192, "kv_blocks_total": 256,
-        "prefix_cache_hit_rate": 0.5, "generation_tokens_per_second": 0.0})
+    stats_value: dict[str, Any] = field(
+        default_factory=lambda: {
+            "num_running": 0,
+            "num_waiting": 0,
+            "kv_blocks_used": 64,
+            "kv_blocks_free": 192,
+            "kv_blocks_total": 256,
+            "prefix_cache_hit_rate": 0.5,
+            "generation_tokens_per_second": 0.0,
+        }
+    )
     restarts: int = 0
     switched_to: list[str | None] = field(default_factory=list)
 
     def reply_for(self, messages: list[dict[str, Any]]) -> str:
         return self.reply
 
-    async def generate(self, prompt: Any = None, params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       messages: list[dict[str, Any]] | None = None) -> AsyncIterator[OutputDelta]:
+    async def generate(
+        self,
+        prompt: Any = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[OutputDelta]:
         if self.state == "dead":
             raise EngineDeadError("the fake engine is dead")
         rid = request_id or f"fake-{len(self.requests)}"
         self.requests.append({"messages": messages, "params": params, "request_id": rid})
         text = self.reply_for(messages or [])
-        pieces = [text[i:i + self.chunk] for i in range(0, len(text), self.chunk)]
+        pieces = [text[i : i + self.chunk] for i in range(0, len(text), self.chunk)]
         n = 0
         try:
             for piece in pieces:
@@ -103,15 +127,19 @@ def factory(client: FakeClient):
 class FakeCatalog:
     """A fixed local list and Hub results, and a pull that reports progress in steps."""
 
-    local: list[LocalEntry] = field(default_factory=lambda: [
-        LocalEntry("SmolLM2-135M-Instruct", "bundled", 94_000_000, "LlamaForCausalLM, 135M params, Q4_1"),
-        LocalEntry("Qwen/Qwen2.5-0.5B-Instruct", "hf-cache", 988_000_000, "Qwen2ForCausalLM, 494M params, bf16"),
-    ])
-    results: list[HubEntry] = field(default_factory=lambda: [
-        HubEntry("HuggingFaceTB/SmolLM2-360M-Instruct", 1_250_000, 1_450_000_000, "fits"),
-        HubEntry("Qwen/Qwen2.5-7B-Instruct", 9_800_000, 30_500_000_000, "will be slow"),
-        HubEntry("meta-llama/Llama-3.1-70B-Instruct", 4_100_000, 282_000_000_000, "will not fit"),
-    ])
+    local: list[LocalEntry] = field(
+        default_factory=lambda: [
+            LocalEntry("SmolLM2-135M-Instruct", "bundled", 94_000_000, "LlamaForCausalLM, 135M params, Q4_1"),
+            LocalEntry("Qwen/Qwen2.5-0.5B-Instruct", "hf-cache", 988_000_000, "Qwen2ForCausalLM, 494M params, bf16"),
+        ]
+    )
+    results: list[HubEntry] = field(
+        default_factory=lambda: [
+            HubEntry("HuggingFaceTB/SmolLM2-360M-Instruct", 1_250_000, 1_450_000_000, "fits"),
+            HubEntry("Qwen/Qwen2.5-7B-Instruct", 9_800_000, 30_500_000_000, "will be slow"),
+            HubEntry("meta-llama/Llama-3.1-70B-Instruct", 4_100_000, 282_000_000_000, "will not fit"),
+        ]
+    )
     pull_steps: int = 4
     step_bytes: int = 1000
     gate: Any = None

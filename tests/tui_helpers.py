@@ -17,8 +17,12 @@ from tests.tui_fakes import FakeCatalog, FakeClient, factory
 def make_app(tmp_path: Path, client: FakeClient | None = None, **kwargs: Any) -> ChatApp:
     kwargs.setdefault("catalog", FakeCatalog())
     kwargs.setdefault("session_sampling", {"temperature": 0, "max_tokens": 32})
-    return ChatApp(settings_path=tmp_path / "settings.toml", history_path=tmp_path / "history.sqlite3",
-                   engine_factory=factory(client or FakeClient()), **kwargs)
+    return ChatApp(
+        settings_path=tmp_path / "settings.toml",
+        history_path=tmp_path / "history.sqlite3",
+        engine_factory=factory(client or FakeClient()),
+        **kwargs,
+    )
 
 
 async def wait_for(pilot: Pilot, condition: Callable[[], bool], what: str, steps: int = 600) -> None:

@@ -102,6 +102,8 @@ class EngineClient(Protocol):
 def context_length_error(max_model_len: int, num_prompt: int, max_tokens: int | None) -> str:
     """The wording litellm (and so aider) recognises as a context-window error."""
     asked = num_prompt + (max_tokens or 0)
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{asked} tokens ({num_prompt} in the messages, {max_tokens or 0} in the completion). "
-            f"Please reduce the length of the messages or completion.")
+    return (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{asked} tokens ({num_prompt} in the messages, {max_tokens or 0} in the completion). "
+        f"Please reduce the length of the messages or completion."
+    )

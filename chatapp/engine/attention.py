@@ -128,8 +128,9 @@ class TorchAttentionBackend:
             out[nd:] = padded[valid]
         return out
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """q [B, Lq, H, D] over the blocks in ``tables`` [B, nb] -> [B, Lq, H, D]."""
         b, lq, h, d = q.shape
         hkv, g = self.num_kv_heads, self.group
@@ -143,8 +144,9 @@ class TorchAttentionBackend:
         return o.view(b, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, h, d)
 
 
-def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           slot_mapping: torch.Tensor) -> None:
+def _store(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -39,10 +39,12 @@ class TritonAttentionBackend:
         self._meta = meta
         device = meta.block_tables.device
         nd, nr = meta.num_decodes, meta.num_requests
-        decode = plan_tiles(meta.query_lens_cpu, range(0, nd), self.group, device,
-                            block_m=DECODE_BLOCK_M, tile_n=DECODE_TILE_N)
-        prefill = plan_tiles(meta.query_lens_cpu, range(nd, nr), self.group, device,
-                             block_m=PREFILL_BLOCK_M, tile_n=PREFILL_TILE_N)
+        decode = plan_tiles(
+            meta.query_lens_cpu, range(0, nd), self.group, device, block_m=DECODE_BLOCK_M, tile_n=DECODE_TILE_N
+        )
+        prefill = plan_tiles(
+            meta.query_lens_cpu, range(nd, nr), self.group, device, block_m=PREFILL_BLOCK_M, tile_n=PREFILL_TILE_N
+        )
         self._plans = [plan for plan in (decode, prefill) if plan is not None]
         self._num_tokens = sum(meta.query_lens_cpu)
 
@@ -54,8 +56,9 @@ class TritonAttentionBackend:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         for plan in self._plans:
-            paged_attention(q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                            meta.block_tables, plan, self.scale)
+            paged_attention(
+                q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens, meta.block_tables, plan, self.scale
+            )
         if out.shape[0] > self._num_tokens:
-            out[self._num_tokens:].zero_()  # padded tokens belong to no request; keep them finite
+            out[self._num_tokens :].zero_()  # padded tokens belong to no request; keep them finite
         return out

@@ -91,8 +91,16 @@ SUPER_BLOCK = 256
 
 
 # GGUF type -> the packed kind that holds it exactly (csrc/gguf_repack.cpp), and bytes per (tile, block).
-KIND_FOR_GGUF_TYPE = {"Q4_0": KIND_Q4, "Q4_1": KIND_Q4, "Q5_0": KIND_Q8, "Q8_0": KIND_Q8, "Q5_1": KIND_Q8M,
-                      "Q4_K": KIND_Q4K, "Q5_K": KIND_Q5K, "Q6_K": KIND_Q6K}
+KIND_FOR_GGUF_TYPE = {
+    "Q4_0": KIND_Q4,
+    "Q4_1": KIND_Q4,
+    "Q5_0": KIND_Q8,
+    "Q8_0": KIND_Q8,
+    "Q5_1": KIND_Q8M,
+    "Q4_K": KIND_Q4K,
+    "Q5_K": KIND_Q5K,
+    "Q6_K": KIND_Q6K,
+}
 TILE_BYTES = {KIND_Q4: 320, KIND_Q8: 544, KIND_Q8M: 576, KIND_Q4K: 2368, KIND_Q5K: 2880, KIND_Q6K: 3360}
 
 
@@ -157,8 +165,9 @@ def dequantize(packed: torch.Tensor, kind: int, out_features: int) -> torch.Tens
         w = _dequantize_k(packed, kind)
     elif kind == KIND_Q4:
         q = _nibble_codes(packed[..., :256].reshape(tiles, blocks, 4, TILE, 4))
-        w = _tile_channels(q.float() * _fp16_at(packed, 256)[..., None] + _fp16_at(packed, 288)[..., None],
-                           tiles, blocks)
+        w = _tile_channels(
+            q.float() * _fp16_at(packed, 256)[..., None] + _fp16_at(packed, 288)[..., None], tiles, blocks
+        )
     else:
         codes = packed[..., :512].reshape(tiles, blocks, 8, TILE, 4).transpose(2, 3).reshape(tiles, blocks, TILE, BLOCK)
         d = _fp16_at(packed, 512)[..., None]
@@ -188,8 +197,9 @@ class BlockQuantLinear(nn.Module):
     float32: the same weights, activations unrounded.
     """
 
-    def __init__(self, parts: list[PackedPart], in_features: int, bias: torch.Tensor | None,
-                 ext: ModuleType | None) -> None:
+    def __init__(
+        self, parts: list[PackedPart], in_features: int, bias: torch.Tensor | None, ext: ModuleType | None
+    ) -> None:
         super().__init__()
         self.parts = list(parts)
         self.in_features = in_features
@@ -201,8 +211,15 @@ class BlockQuantLinear(nn.Module):
             self._dense = torch.cat([dequantize(p.packed, p.kind, p.out_features) for p in self.parts])
 
     @classmethod
-    def single(cls, packed: torch.Tensor, kind: int, in_features: int, out_features: int,
-               bias: torch.Tensor | None, ext: ModuleType | None) -> "BlockQuantLinear":
+    def single(
+        cls,
+        packed: torch.Tensor,
+        kind: int,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None,
+        ext: ModuleType | None,
+    ) -> BlockQuantLinear:
         return cls([PackedPart(packed, kind, out_features)], in_features, bias, ext)
 
     @property

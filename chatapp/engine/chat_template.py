@@ -37,8 +37,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -48,16 +49,24 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=8)
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
 
 
-def render_chat_template(source: str, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                         special_tokens: dict[str, str], **extra: Any) -> str:
+def render_chat_template(
+    source: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    special_tokens: dict[str, str],
+    **extra: Any,
+) -> str:
     """The conversation as the model's prompt text. Template errors propagate as jinja2 errors."""
-    return compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                           **special_tokens, **extra)
+    return compile_template(source).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens, **extra
+    )

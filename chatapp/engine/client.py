@@ -359,8 +359,9 @@ class AsyncEngineClient:
             raise EngineDeadError("this engine client is closed")
         raise EngineBusyError(f"the engine is not ready ({self.state}: {self.state_detail}); retry shortly")
 
-    def _tokenize(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
-                  params: SamplingParams) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids), or InvalidRequestError naming the bad field."""
         assert self.tokenizer is not None and self.model_info is not None
         if (prompt is None) == (messages is None):
@@ -470,8 +471,10 @@ class AsyncEngineClient:
                 self.spawned_engine = False
                 self._popen = None
                 if record.model != wanted:
-                    message = (f"the running engine (pid {record.pid}) serves {record.model}, not {wanted}; "
-                               "using it (switch_model changes it for every client)")
+                    message = (
+                        f"the running engine (pid {record.pid}) serves {record.model}, not {wanted}; "
+                        "using it (switch_model changes it for every client)"
+                    )
                     if self.on_model_mismatch == "error":
                         raise EngineModelMismatchError(message.split("; ")[0] + "; stop it or switch its model")
                     log.warning(message)
@@ -492,10 +495,20 @@ class AsyncEngineClient:
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-m", "chatapp.engine.process",
-                 "--config", ipc.config_to_json(self.config), "--runtime-dir", str(runtime)],
-                stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                start_new_session=True, close_fds=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "chatapp.engine.process",
+                    "--config",
+                    ipc.config_to_json(self.config),
+                    "--runtime-dir",
+                    str(runtime),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                start_new_session=True,
+                close_fds=True,
             )
         finally:
             os.close(log_fd)
@@ -506,8 +519,9 @@ class AsyncEngineClient:
                 return record
             code = self._popen.poll()
             if code is not None:
-                raise EngineDeadError(f"the engine process exited with code {code} while starting; "
-                                      f"see {log_path}:\n{_tail(log_path)}")
+                raise EngineDeadError(
+                    f"the engine process exited with code {code} while starting; see {log_path}:\n{_tail(log_path)}"
+                )
             await asyncio.sleep(0.05)
 
     async def _hello(self, record: ipc.EngineRecord, wanted: str) -> ipc.Welcome:
@@ -521,9 +535,11 @@ class AsyncEngineClient:
         self._sock = sock
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
-        self._tasks = [loop.create_task(self._receive(), name="engine-client-receive"),
-                       loop.create_task(self._watch(), name="engine-client-watch"),
-                       loop.create_task(self._heartbeat(), name="engine-client-heartbeat")]
+        self._tasks = [
+            loop.create_task(self._receive(), name="engine-client-receive"),
+            loop.create_task(self._watch(), name="engine-client-watch"),
+            loop.create_task(self._heartbeat(), name="engine-client-heartbeat"),
+        ]
         self._send(ipc.Hello(os.getpid(), wanted))
         try:
             return await asyncio.wait_for(asyncio.shield(self._welcome), HELLO_TIMEOUT_S)
@@ -616,8 +632,21 @@ class AsyncEngineClient:
                 processor.drop(out.request_id)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(OutputDelta(out.request_id, "", [], None, True, "error", None, 0, 0,
-                                                        0, error=f"processing the output failed: {exc}"))
+                    stream.queue.put_nowait(
+                        OutputDelta(
+                            out.request_id,
+                            "",
+                            [],
+                            None,
+                            True,
+                            "error",
+                            None,
+                            0,
+                            0,
+                            0,
+                            error=f"processing the output failed: {exc}",
+                        )
+                    )
                 if out.finish_reason is None:
                     to_abort.append(out.request_id)
                 continue
@@ -639,8 +668,11 @@ class AsyncEngineClient:
                 await asyncio.sleep(DEATH_GRACE_S)
                 code = self._popen.returncode if self._popen is not None else None
                 how = f" (exit code {code})" if code is not None else ""
-                self._die(EngineDeadError(f"the engine process (pid {self._engine_proc.pid}) died{how}; "
-                                          f"restart it; see {self.log_path}"))
+                self._die(
+                    EngineDeadError(
+                        f"the engine process (pid {self._engine_proc.pid}) died{how}; restart it; see {self.log_path}"
+                    )
+                )
                 return
 
     async def _heartbeat(self) -> None:

@@ -82,7 +82,7 @@ class EngineConfig:
     resolved: bool = field(default=False, repr=False)
 
     @classmethod
-    def from_overrides(cls, model: str | None = None, **overrides: Any) -> "EngineConfig":
+    def from_overrides(cls, model: str | None = None, **overrides: Any) -> EngineConfig:
         """Build a config from keyword overrides, rejecting unknown names clearly."""
         known = {f.name for f in dataclasses.fields(cls) if f.name != "resolved"}
         unknown = sorted(set(overrides) - known)
@@ -94,22 +94,22 @@ class EngineConfig:
 
     # -- resolution ---------------------------------------------------------
 
-    def torch_device(self) -> "torch.device":
+    def torch_device(self) -> torch.device:
         import torch
 
         return torch.device(self.device)
 
-    def torch_dtype(self) -> "torch.dtype":
+    def torch_dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, _DTYPES[self.dtype])
 
-    def torch_kv_dtype(self) -> "torch.dtype":
+    def torch_kv_dtype(self) -> torch.dtype:
         import torch
 
         return getattr(torch, _DTYPES[self.kv_cache_dtype])
 
-    def finalize(self, *, checkpoint_dtype: "torch.dtype | None", model_max_len: int) -> "EngineConfig":
+    def finalize(self, *, checkpoint_dtype: torch.dtype | None, model_max_len: int) -> EngineConfig:
         """Return a copy with every "auto"/None field chosen from the model and machine."""
         cfg = dataclasses.replace(self)
         cfg.device = _resolve_device(cfg.device)
@@ -159,7 +159,7 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _resolve_dtype(dtype: str, device: str, checkpoint_dtype: "torch.dtype | None") -> str:
+def _resolve_dtype(dtype: str, device: str, checkpoint_dtype: torch.dtype | None) -> str:
     import torch
 
     if dtype == "auto":

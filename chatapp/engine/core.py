@@ -14,6 +14,7 @@ from collections import deque
 from chatapp.engine.api import EngineBusyError, context_length_error  # noqa: F401  (re-exported)
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.kv_manager import KVCacheManager
+from chatapp.engine.model_ref import ModelRef, resolve_model_spec
 from chatapp.engine.model_runner import ModelRunner
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.source import open_model
@@ -21,7 +22,6 @@ from chatapp.engine.outputs import EngineCoreOutput
 from chatapp.engine.request import Request, RequestStatus
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.engine.scheduler import ScheduledBatch, Scheduler
-from chatapp.engine.model_ref import ModelRef, resolve_model_spec
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,15 @@ class EngineCore:
         log.info(
             "engine ready: %s on %s (%s, %s attention), KV cache %d blocks x %d tokens = %.2f GiB, "
             "max_model_len %d, loaded in %.1f s",
-            self.model.name, config.device, config.dtype, config.attention_backend, self.kv.num_blocks,
-            config.block_size, self.kv.num_blocks * self.runner.bytes_per_block() / 2**30,
-            config.max_model_len, self.load_seconds,
+            self.model.name,
+            config.device,
+            config.dtype,
+            config.attention_backend,
+            self.kv.num_blocks,
+            config.block_size,
+            self.kv.num_blocks * self.runner.bytes_per_block() / 2**30,
+            config.max_model_len,
+            self.load_seconds,
         )
 
     # -- requests -----------------------------------------------------------
@@ -64,11 +70,18 @@ class EngineCore:
         """Queue a request; one that can never run finishes at the next step with an error."""
         error = self._validate(request_id, prompt_token_ids, params)
         if error is not None:
-            self._pending.append(EngineCoreOutput(request_id, [], "error", num_prompt_tokens=len(prompt_token_ids),
-                                                  error=error))
+            self._pending.append(
+                EngineCoreOutput(request_id, [], "error", num_prompt_tokens=len(prompt_token_ids), error=error)
+            )
             return
-        req = Request(request_id, prompt_token_ids, params, self.model_config.eos_token_ids,
-                      self.config.block_size, self.config.max_model_len)
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.model_config.eos_token_ids,
+            self.config.block_size,
+            self.config.max_model_len,
+        )
         self.scheduler.add(req)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
@@ -90,9 +103,15 @@ class EngineCore:
             if req is None:
                 continue
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            self._pending.append(EngineCoreOutput(request_id, [], "abort",
-                                                  num_prompt_tokens=req.num_prompt_tokens,
-                                                  num_cached_tokens=req.num_cached_tokens))
+            self._pending.append(
+                EngineCoreOutput(
+                    request_id,
+                    [],
+                    "abort",
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
 
     def has_work(self) -> bool:
         return bool(self.scheduler.num_unfinished or self._pending)
@@ -106,8 +125,9 @@ class EngineCore:
         if not batch:
             return outputs
         result = self.runner.execute(batch, {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests})
-        update = self.scheduler.update_from_output(batch, result.sampled_requests, result.sampled.token_ids,
-                                                   result.sampled.logprobs)
+        update = self.scheduler.update_from_output(
+            batch, result.sampled_requests, result.sampled.token_ids, result.sampled.logprobs
+        )
         outputs += update.outputs
         self.prompt_tokens_total += update.num_prompt_tokens
         self.generation_tokens_total += len(result.sampled_requests)
@@ -133,8 +153,14 @@ class EngineCore:
             error = self._validate(f"embedding-{i}", ids, SamplingParams(max_tokens=1))
             if error is not None:
                 raise ValueError(error)
-            req = Request(f"\0embed-{i}", ids, SamplingParams(max_tokens=1), frozenset(),
-                          self.config.block_size, self.config.max_model_len)
+            req = Request(
+                f"\0embed-{i}",
+                ids,
+                SamplingParams(max_tokens=1),
+                frozenset(),
+                self.config.block_size,
+                self.config.max_model_len,
+            )
             if not self.kv.allocate_slots(req, len(ids)):
                 raise EngineBusyError("the KV cache is full right now; retry the embedding request shortly")
             try:

@@ -48,8 +48,10 @@ def load() -> ModuleType | None:
         log.info("compiling chatapp's C++ CPU kernels for this machine (once; about a minute or two)")
         return kernel_build.compile_extension(name, build_dir)
     except Exception as exc:  # no compiler, no headers, a sandbox: the torch path still works
-        log.warning("chatapp's C++ CPU kernels could not be built (%s); running on the slower torch path",
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+        log.warning(
+            "chatapp's C++ CPU kernels could not be built (%s); running on the slower torch path",
+            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+        )
         return None
 
 

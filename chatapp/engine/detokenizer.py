@@ -15,8 +15,9 @@ _WINDOW = 5  # earlier tokens decoded with the new ones, for context-dependent s
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], stop: tuple[str, ...] = (), skip_special_tokens: bool = True
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-_WINDOW:])

@@ -53,8 +53,14 @@ def compile_extension(name: str, build_dir: Path):
     from torch.utils.cpp_extension import load
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
+    return load(
+        name=name,
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build_dir),
+        verbose=False,
+    )
 
 
 def build_into(target: Path) -> Path:
@@ -66,8 +72,9 @@ def build_into(target: Path) -> Path:
         built = Path(module.__file__)
         target.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, target / f"{PREBUILT_NAME}.so")
-    (target / f"{PREBUILT_NAME}.json").write_text(json.dumps({"key": build_key(torch.__version__),
-                                                              "torch": torch.__version__}))
+    (target / f"{PREBUILT_NAME}.json").write_text(
+        json.dumps({"key": build_key(torch.__version__), "torch": torch.__version__})
+    )
     return target / f"{PREBUILT_NAME}.so"
 
 

@@ -66,9 +66,7 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None
-    ) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_prefix: list[KVBlock] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more computed tokens; False (and no change) if full.
 
         ``cached_prefix`` is the result of :meth:`find_cached_prefix` for a

@@ -30,8 +30,9 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Complete prompts (a string, a list of strings, or token-id lists), in input order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -43,8 +44,11 @@ class LLM:
                 items.append((None, list(prompt)))
         return self._run(items, params)
 
-    def chat(self, conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Answer OpenAI-style message lists rendered with the model's chat template."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
@@ -54,7 +58,7 @@ class LLM:
     def stats(self) -> dict[str, float | int | str]:
         return self.core.stats()
 
-    def prompt_logits(self, token_ids: list[int]) -> "torch.Tensor":
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of ``token_ids`` from one prefill (teacher forcing).
 
         For quality checks: how closely two engines (float32, int8, a GGUF file's own types) follow
@@ -66,20 +70,28 @@ class LLM:
         from chatapp.engine.scheduler import ScheduledBatch
 
         core = self.core
-        req = Request("\0prompt-logits", list(token_ids), SamplingParams(max_tokens=1), frozenset(),
-                      core.config.block_size, core.config.max_model_len)
+        req = Request(
+            "\0prompt-logits",
+            list(token_ids),
+            SamplingParams(max_tokens=1),
+            frozenset(),
+            core.config.block_size,
+            core.config.max_model_len,
+        )
         if not core.kv.allocate_slots(req, len(token_ids)):
             raise ValueError(f"{len(token_ids)} tokens do not fit the free KV cache")
         try:
-            hidden = core.runner.hidden_states(ScheduledBatch([req], [len(token_ids)]),
-                                               {req.request_id: core.kv.block_ids(req.request_id)})[0]
+            hidden = core.runner.hidden_states(
+                ScheduledBatch([req], [len(token_ids)]), {req.request_id: core.kv.block_ids(req.request_id)}
+            )[0]
             with torch.inference_mode():
                 return core.runner.model.compute_logits(hidden)
         finally:
             core.kv.free(req.request_id)
 
-    def _run(self, items: list[tuple[str | None, list[int]]],
-             params: SamplingParams | Sequence[SamplingParams] | None) -> list[RequestOutput]:
+    def _run(
+        self, items: list[tuple[str | None, list[int]]], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):

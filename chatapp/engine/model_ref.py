@@ -7,9 +7,9 @@ the bundled model, the Hugging Face cache); the app registers the store's resolv
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ def check_fits(weight_bytes: int, kv_bytes: int, mc: ModelConfig) -> None:
             f"this {mc.architecture} model needs about {needed / gib:.2f} GiB of memory (weights "
             f"{weight_bytes / gib:.2f} GiB + KV cache {kv_bytes / gib:.2f} GiB + {WORKING_MEMORY_BYTES / gib:.2f} "
             f"GiB working memory) but only {available / gib:.2f} GiB is available; close other programs, "
-            f"lower the KV cache (kv_cache_memory_gib), or pick a smaller or more quantised model")
+            f"lower the KV cache (kv_cache_memory_gib), or pick a smaller or more quantised model"
+        )
 
 
 @dataclass
@@ -106,8 +107,12 @@ class ModelRunner:
     # -- set-up -------------------------------------------------------------
 
     def _native_gguf(self, source: ModelSource, ext) -> bool:
-        return (source.gguf is not None and self.config.quantization in ("auto", "gguf") and ext is not None
-                and ext.block_quant_fast())
+        return (
+            source.gguf is not None
+            and self.config.quantization in ("auto", "gguf")
+            and ext is not None
+            and ext.block_quant_fast()
+        )
 
     def _weight_bytes(self, source: ModelSource, ext) -> int:
         """What the loaded weights will take, to refuse a model that cannot fit before loading it."""
@@ -193,12 +198,16 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),
-            query_lens_cpu=[n], seq_lens_cpu=[n], num_decodes=0, max_query_len=n, max_seq_len=n,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[n],
+            num_decodes=0,
+            max_query_len=n,
+            max_seq_len=n,
         )
         with torch.inference_mode():
             backend.begin_step(meta)
             hidden = self.model(ids, torch.arange(n, device=self.device) % self.config.max_model_len, backend)
-            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs) :])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del dummy_caches, backend, hidden
@@ -210,8 +219,9 @@ class ModelRunner:
             raise RuntimeError("not enough GPU memory left for the KV cache; lower max_num_batched_tokens")
         return blocks
 
-    def _allocate_kv_caches(self, num_blocks: int, transposed_keys: bool = False
-                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_caches(
+        self, num_blocks: int, transposed_keys: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys, values), each [num_blocks, block_size, kv_heads, head_dim].
 
         With ``transposed_keys`` (our C++ CPU path) keys are [num_blocks, kv_heads, head_dim,
@@ -221,8 +231,11 @@ class ModelRunner:
         shape = (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         dtype = self.config.torch_kv_dtype()
         # Zeroed, not empty: padded key positions are masked, but 0 * NaN would still poison them.
-        pool = _untouched_zeros(shape, dtype) if self.device.type == "cpu" else torch.zeros(
-            shape, dtype=dtype, device=self.device)
+        pool = (
+            _untouched_zeros(shape, dtype)
+            if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=dtype, device=self.device)
+        )
         caches = [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
         if transposed_keys:
             shape = (num_blocks, mc.num_kv_heads, mc.head_dim, self.block_size)
@@ -248,7 +261,11 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             block_tables=torch.arange(-(-n // self.block_size), dtype=torch.int32, device=self.device)[None],
-            query_lens_cpu=[n], seq_lens_cpu=[n], num_decodes=0, max_query_len=n, max_seq_len=n,
+            query_lens_cpu=[n],
+            seq_lens_cpu=[n],
+            num_decodes=0,
+            max_query_len=n,
+            max_seq_len=n,
         )
         attn.begin_step(meta)
         self.model(torch.tensor(ids, device=self.device), torch.arange(n, device=self.device), attn)
@@ -285,14 +302,14 @@ class ModelRunner:
         by_request = {r.request_id: hidden[starts[i] : starts[i + 1]] for i, r in enumerate(step.requests)}
         return [by_request[r.request_id] for r in batch.requests]
 
-    def _cpu_threads_for(self, step: "_PreparedStep") -> int:
+    def _cpu_threads_for(self, step: _PreparedStep) -> int:
         """Every thread, except for a small step while another process holds a core (see above)."""
         meta = step.meta
         attention = sum(q * s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
         small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS and attention < SINGLE_THREAD_BELOW_ATTENTION
         return 1 if small and not self.cpu_load.all_threads_fit() else self.config.num_threads
 
-    def _forward(self, step: "_PreparedStep") -> torch.Tensor:
+    def _forward(self, step: _PreparedStep) -> torch.Tensor:
         if self.device.type == "cpu":
             threads = self._cpu_threads_for(step)
             if torch.get_num_threads() != threads:
@@ -303,13 +320,26 @@ class ModelRunner:
         meta, model = step.meta, self.model
         x = model.embed_tokens(step.input_ids)
         cos, sin = model.rope.lookup(step.positions)
-        return self.cpu_forward.forward(x, cos, sin, self._k_caches, self._v_caches, meta.slot_mapping,
-                                        meta.query_start_loc, meta.seq_lens, meta.block_tables)
+        return self.cpu_forward.forward(
+            x,
+            cos,
+            sin,
+            self._k_caches,
+            self._v_caches,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+        )
 
     def _cpu_extension(self):
         """Our compiled CPU code, where it applies (CPU, float32, torch attention) and builds."""
-        if (not self.config.cpu_kernels or self.device.type != "cpu" or self.dtype != torch.float32
-                or self.config.attention_backend != "torch"):
+        if (
+            not self.config.cpu_kernels
+            or self.device.type != "cpu"
+            or self.dtype != torch.float32
+            or self.config.attention_backend != "torch"
+        ):
             return None
         from chatapp.engine import cpu_kernels
 
@@ -329,7 +359,7 @@ class ModelRunner:
         self._v_caches = [v for _, v in self.kv_caches]
         return build_cpu_model(ext, self.model)
 
-    def _prepare(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> "_PreparedStep":
+    def _prepare(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> _PreparedStep:
         """Flatten the batch: token ids, positions, cache slots and block tables."""
         bs = self.block_size
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable

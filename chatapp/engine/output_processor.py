@@ -53,10 +53,12 @@ class OutputProcessor:
         self._states: dict[str, _RequestState] = {}
         self.finished: dict[str, RequestOutput] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer.hf, prompt_token_ids, params.stop_strings,
-                                       params.skip_special_tokens)
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        detok = IncrementalDetokenizer(
+            self.tokenizer.hf, prompt_token_ids, params.stop_strings, params.skip_special_tokens
+        )
         self._states[request_id] = _RequestState(request_id, prompt, prompt_token_ids, params, detok)
 
     def has(self, request_id: str) -> bool:
@@ -87,18 +89,34 @@ class OutputProcessor:
                 if not finished:
                     to_abort.append(out.request_id)
                 finished, finish_reason, stop_reason = True, "stop", state.detok.stop_reason
-            elif finish_reason == "stop" and state.token_ids and state.token_ids[-1] in (state.params.stop_token_ids or ()):
+            elif (
+                finish_reason == "stop"
+                and state.token_ids
+                and state.token_ids[-1] in (state.params.stop_token_ids or ())
+            ):
                 stop_reason = state.token_ids[-1]
-            deltas.append(OutputDelta(
-                out.request_id, text, list(out.new_token_ids), out.new_logprobs, finished, finish_reason,
-                stop_reason, len(state.prompt_token_ids), len(state.token_ids), out.num_cached_tokens, out.error,
-            ))
+            deltas.append(
+                OutputDelta(
+                    out.request_id,
+                    text,
+                    list(out.new_token_ids),
+                    out.new_logprobs,
+                    finished,
+                    finish_reason,
+                    stop_reason,
+                    len(state.prompt_token_ids),
+                    len(state.token_ids),
+                    out.num_cached_tokens,
+                    out.error,
+                )
+            )
             if finished:
                 self._finish(state, finish_reason, stop_reason, out.error)
         return deltas, to_abort
 
-    def _finish(self, state: _RequestState, finish_reason: str | None, stop_reason: str | int | None,
-                error: str | None) -> None:
+    def _finish(
+        self, state: _RequestState, finish_reason: str | None, stop_reason: str | int | None, error: str | None
+    ) -> None:
         del self._states[state.request_id]
         if finish_reason in ("stop", "length"):
             self.tokenizer.remember_output(state.detok.text, state.token_ids)
@@ -106,9 +124,21 @@ class OutputProcessor:
         metrics = {"latency_s": now - state.arrival}
         if state.first_token_time is not None:
             metrics["ttft_s"] = state.first_token_time - state.arrival
-        completion = CompletionOutput(0, state.detok.text, state.token_ids, finish_reason, stop_reason,
-                                      state.logprobs if state.params.logprobs is not None else None)
+        completion = CompletionOutput(
+            0,
+            state.detok.text,
+            state.token_ids,
+            finish_reason,
+            stop_reason,
+            state.logprobs if state.params.logprobs is not None else None,
+        )
         self.finished[state.request_id] = RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, [completion], True,
-            state.num_cached_tokens, error, metrics,
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            [completion],
+            True,
+            state.num_cached_tokens,
+            error,
+            metrics,
         )

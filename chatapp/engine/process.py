@@ -98,10 +98,18 @@ class _ProgressHandler(logging.Handler):
 def model_info(core: EngineCore) -> ModelInfo:
     cfg, mc = core.config, core.model_config
     return ModelInfo(
-        name=core.model.name, path=str(core.model.path), architecture=mc.architecture,
-        max_model_len=cfg.max_model_len, vocab_size=mc.vocab_size, device=cfg.device, dtype=cfg.dtype,
-        attention_backend=cfg.attention_backend, quantization=cfg.quantization, block_size=cfg.block_size,
-        num_kv_blocks=core.kv.num_blocks, load_seconds=round(core.load_seconds, 3),
+        name=core.model.name,
+        path=str(core.model.path),
+        architecture=mc.architecture,
+        max_model_len=cfg.max_model_len,
+        vocab_size=mc.vocab_size,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        attention_backend=cfg.attention_backend,
+        quantization=cfg.quantization,
+        block_size=cfg.block_size,
+        num_kv_blocks=core.kv.num_blocks,
+        load_seconds=round(core.load_seconds, 3),
     )
 
 
@@ -120,8 +128,11 @@ class EngineServer:
         self.sock.setsockopt(zmq.LINGER, 500)
         me = psutil.Process()
         self.record = ipc.EngineRecord(
-            pid=os.getpid(), create_time=me.create_time(), socket=ipc.socket_endpoint(runtime, os.getpid()),
-            model=ipc.normalize_model_spec(config.model), log_path=str(runtime / ipc.LOG_FILE),
+            pid=os.getpid(),
+            create_time=me.create_time(),
+            socket=ipc.socket_endpoint(runtime, os.getpid()),
+            model=ipc.normalize_model_spec(config.model),
+            log_path=str(runtime / ipc.LOG_FILE),
         )
         self.clients: dict[bytes, _Client] = {}
         self.owner: dict[str, tuple[bytes, str]] = {}  # core request id -> (client identity, client's id)
@@ -291,8 +302,13 @@ class EngineServer:
             self.core.abort(list(client.requests))
         for rid in client.requests:
             self.owner.pop(rid, None)
-        log.info("client %r %s; aborted %d request(s); %d attached", client.identity, why, len(client.requests),
-                 len(self.clients))
+        log.info(
+            "client %r %s; aborted %d request(s); %d attached",
+            client.identity,
+            why,
+            len(client.requests),
+            len(self.clients),
+        )
         client.requests.clear()
 
     def _add_request(self, client: _Client, msg: ipc.AddRequest) -> None:
@@ -454,8 +470,10 @@ class EngineServer:
 
     def _switch_model(self, identity: bytes, msg: ipc.SwitchModelCall) -> None:
         if self.core is None:
-            self._send(identity, ipc.Reply(msg.call_id, error="the engine is loading a model already; retry later",
-                                           error_kind="busy"))
+            self._send(
+                identity,
+                ipc.Reply(msg.call_id, error="the engine is loading a model already; retry later", error_kind="busy"),
+            )
             return
         try:
             _precheck_model(msg.model)

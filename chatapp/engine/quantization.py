@@ -91,8 +91,7 @@ class Int8Linear(nn.Module):
     multiplied in float32 and added to the int8 result.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 outliers: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, outliers: torch.Tensor | None = None) -> None:
         super().__init__()
         weight = weight.detach().float()
         self.outliers = outliers if outliers is not None and outliers.numel() else None
@@ -171,14 +170,20 @@ def _input_maxima(model: LlamaForCausalLM, calibrate: Callable[[], None]) -> dic
         def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
             m = inputs[0].detach().abs().amax(dim=0).float()
             maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
+
         return hook
 
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name.split(".")[-1] in ("qkv_proj", "o_proj", "gate_up_proj",
-                                                                      "down_proj"):
+        if isinstance(module, nn.Linear) and name.split(".")[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             hooks.append(module.register_forward_pre_hook(record(name)))
-    hooks.append(model.norm.register_forward_hook(lambda _m, _i, out: maxima.__setitem__(
-        "head", torch.maximum(maxima.get("head", torch.zeros(out.shape[-1])), out.detach().abs().amax(0).float()))))
+    hooks.append(
+        model.norm.register_forward_hook(
+            lambda _m, _i, out: maxima.__setitem__(
+                "head",
+                torch.maximum(maxima.get("head", torch.zeros(out.shape[-1])), out.detach().abs().amax(0).float()),
+            )
+        )
+    )
     try:
         calibrate()
     finally:

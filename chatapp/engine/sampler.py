@@ -43,13 +43,15 @@ class Sampler:
         if all(r.params.greedy for r in requests):
             tokens = greedy_tokens
         else:
-            tokens = torch.where(self._greedy_mask(requests, logits.device), greedy_tokens,
-                                 self._sample_random(logits, requests))
+            tokens = torch.where(
+                self._greedy_mask(requests, logits.device), greedy_tokens, self._sample_random(logits, requests)
+            )
         token_list = tokens.tolist()
         logprobs = [None] * len(requests)
         if raw_logprobs is not None:
-            logprobs = [_token_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs)
-                        for i, r in enumerate(requests)]
+            logprobs = [
+                _token_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs) for i, r in enumerate(requests)
+            ]
         return SamplerOutput(token_list, logprobs)
 
     @staticmethod

@@ -131,8 +131,13 @@ class Scheduler:
             budget -= num_new
         return batch
 
-    def update_from_output(self, batch: ScheduledBatch, sampled: Sequence[Request], token_ids: Sequence[int],
-                           logprobs: Sequence[TokenLogprobs | None] | None = None) -> StepUpdate:
+    def update_from_output(
+        self,
+        batch: ScheduledBatch,
+        sampled: Sequence[Request],
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None] | None = None,
+    ) -> StepUpdate:
         """Apply an executed step to its requests: the one place a step changes them.
 
         Each scheduled request has computed its new tokens (its newly full blocks become findable by
@@ -151,8 +156,12 @@ class Scheduler:
             token = token_ids[i]
             req.append_token(token)
             status = req.check_stop(token)
-            out = EngineCoreOutput(req.request_id, [token], num_prompt_tokens=req.num_prompt_tokens,
-                                   num_cached_tokens=req.num_cached_tokens)
+            out = EngineCoreOutput(
+                req.request_id,
+                [token],
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+            )
             if logprobs is not None and logprobs[i] is not None:
                 out.new_logprobs = [logprobs[i]]
             if status is not None:

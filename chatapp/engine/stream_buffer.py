@@ -55,8 +55,11 @@ class StreamBuffer:
         now = self._clock()
         ready = []
         for identity, pending in list(self._pending.items()):
-            urgent = force or now - self._last_sent.get(identity, float("-inf")) >= self.interval_s or any(
-                out.finished or (identity, out.request_id) not in self._started for out in pending.values())
+            urgent = (
+                force
+                or now - self._last_sent.get(identity, float("-inf")) >= self.interval_s
+                or any(out.finished or (identity, out.request_id) not in self._started for out in pending.values())
+            )
             if not urgent:
                 continue
             del self._pending[identity]

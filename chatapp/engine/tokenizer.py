@@ -173,20 +173,36 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         if self._clean_up_spaces:
-            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+            for before, after in (
+                (" .", "."),
+                (" ?", "?"),
+                (" !", "!"),
+                (" ,", ","),
+                (" ' ", "'"),
+                (" n't", "n't"),
+                (" 'm", "'m"),
+                (" 's", "'s"),
+                (" 've", "'ve"),
+                (" 're", "'re"),
+            ):
                 text = text.replace(before, after)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         from chatapp.engine.chat_template import render_chat_template
 
         if not self.chat_template:
             raise ChatFormatError("this model has no chat template; use a plain completion prompt")
         extra = {"tools": None, "documents": None, **extra}
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    special_tokens=self.special_tokens, **extra)
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens=self.special_tokens,
+            **extra,
+        )
 
 
 class Tokenizer:

@@ -17,8 +17,13 @@ from chatapp.server.routes import chat, completions, embeddings, models, ops
 from chatapp.server.state import ServerState
 
 
-def create_app(client: EngineClient | None = None, *, api_key: str | None = None,
-               cors_origins: Sequence[str] = (), max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    client: EngineClient | None = None,
+    *,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """An app serving ``client`` (None: answer 503 until ``app.state.server.attach(client)``).
 
     The app never cares which EngineClient implementation it gets.
@@ -26,8 +31,9 @@ def create_app(client: EngineClient | None = None, *, api_key: str | None = None
     # With a key, every route but /health needs it, the API's description included; the browsable
     # docs pages go (a browser cannot send the key to fetch the description they show).
     docs = {} if not api_key else {"openapi_url": None, "docs_url": None, "redoc_url": None}
-    app = FastAPI(title="chatapp", version=__version__,
-                  description="A local OpenAI-compatible API on chatapp's engine.", **docs)
+    app = FastAPI(
+        title="chatapp", version=__version__, description="A local OpenAI-compatible API on chatapp's engine.", **docs
+    )
     app.state.server = ServerState(client)
     app.state.api_key = api_key or None
     install_handlers(app)
@@ -35,9 +41,11 @@ def create_app(client: EngineClient | None = None, *, api_key: str | None = None
     app.include_router(ops.health_router)  # no key: probes and the TUI ask it
     keyed = [Depends(require_api_key)]
     if api_key:
+
         @app.get("/openapi.json", include_in_schema=False, dependencies=keyed)
         async def openapi() -> JSONResponse:
             return JSONResponse(app.openapi())
+
     for router in (models.router, chat.router, completions.router, embeddings.router, ops.metrics_router):
         app.include_router(router, dependencies=keyed)
 
@@ -46,6 +54,11 @@ def create_app(client: EngineClient | None = None, *, api_key: str | None = None
     app.add_middleware(AssumeJSON)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if cors_origins:  # no CORS headers at all unless origins were named
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "x-api-key"], max_age=600)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key"],
+            max_age=600,
+        )
     return app

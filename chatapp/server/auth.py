@@ -32,7 +32,8 @@ async def require_api_key(
         return
     given = bearer.credentials if bearer is not None else header_key
     if not given:
-        raise _unauthorized("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
-                            "missing_api_key")
+        raise _unauthorized(
+            "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.", "missing_api_key"
+        )
     if not hmac.compare_digest(given.encode(), expected.encode()):
         raise _unauthorized("Incorrect API key provided.", "invalid_api_key")

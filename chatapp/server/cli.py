@@ -17,20 +17,36 @@ API_KEY_ENV = "CHATAPP_API_KEY"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="run the local OpenAI-compatible HTTP server (no TUI)",
-                           description="Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
-                                       "/v1/embeddings, /v1/models) on chatapp's shared engine.")
+    serve = sub.add_parser(
+        "serve",
+        help="run the local OpenAI-compatible HTTP server (no TUI)",
+        description="Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+        "/v1/embeddings, /v1/models) on chatapp's shared engine.",
+    )
     # SUPPRESS: `chatapp --model M serve` (the top-level option) must not be reset by this one's default.
-    serve.add_argument("--model", default=argparse.SUPPRESS,
-                       help="model name, directory or GGUF file (default: the bundled SmolLM2)")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default 127.0.0.1; anything else needs --api-key to be safe)")
+    serve.add_argument(
+        "--model", default=argparse.SUPPRESS, help="model name, directory or GGUF file (default: the bundled SmolLM2)"
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; anything else needs --api-key to be safe)",
+    )
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
-    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                       help=f"require this key (Authorization: Bearer KEY, or x-api-key: KEY); "
-                            f"default ${API_KEY_ENV}, else none")
-    serve.add_argument("--cors-origin", dest="cors_origins", action="extend", nargs="+", default=[],
-                       metavar="ORIGIN", help="allow browser pages from ORIGIN (repeatable; default: no CORS)")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require this key (Authorization: Bearer KEY, or x-api-key: KEY); default ${API_KEY_ENV}, else none",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        dest="cors_origins",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser pages from ORIGIN (repeatable; default: no CORS)",
+    )
     from chatapp.cli import add_engine_options
 
     add_engine_options(serve, default=argparse.SUPPRESS)  # as --model: the top-level value survives
@@ -55,20 +71,28 @@ async def _serve(args: argparse.Namespace) -> int:
     settings, error = load_or_default()
     if error is not None:
         print(f"chatapp serve: {error} (running on the defaults)", file=sys.stderr)
-    options = settings.engine.options(max_model_len=getattr(args, "max_model_len", None),
-                                      kv_cache_memory_gib=getattr(args, "kv_cache_gib", None))
+    options = settings.engine.options(
+        max_model_len=getattr(args, "max_model_len", None), kv_cache_memory_gib=getattr(args, "kv_cache_gib", None)
+    )
     client = AsyncEngineClient(EngineConfig(model=getattr(args, "model", None) or settings.default_model, **options))
-    client.add_state_listener(lambda state, detail: print(f"engine: {state}{': ' + detail if detail else ''}",
-                                                          file=sys.stderr, flush=True))
+    client.add_state_listener(
+        lambda state, detail: print(f"engine: {state}{': ' + detail if detail else ''}", file=sys.stderr, flush=True)
+    )
     # The engine first: it loads while this process imports the HTTP server (~0.3 s of FastAPI).
     starting = asyncio.create_task(client.start())
     await asyncio.wait({starting}, timeout=0.02)  # long enough to reach the engine's spawn
     from chatapp.server.run import start_server
 
     try:
-        handle = await start_server(client, args.host, args.port, api_key=args.api_key,
-                                    cors_origins=args.cors_origins, access_log=args.verbose,
-                                    log_exposure=False)
+        handle = await start_server(
+            client,
+            args.host,
+            args.port,
+            api_key=args.api_key,
+            cors_origins=args.cors_origins,
+            access_log=args.verbose,
+            log_exposure=False,
+        )
     except OSError as exc:
         print(f"chatapp serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         starting.cancel()

@@ -30,9 +30,16 @@ RETRY_AFTER_SECONDS = 5
 class APIError(Exception):
     """An error answer, raised anywhere in a request and rendered by the app's handler."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -69,8 +76,9 @@ def unsupported(param: str, what: str | None = None) -> APIError:
 
 
 def unavailable(message: str) -> APIError:
-    return APIError(503, message, type="server_error", code="engine_unavailable",
-                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return APIError(
+        503, message, type="server_error", code="engine_unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+    )
 
 
 def from_engine_error(exc: BaseException, prompt_param: str) -> APIError:
@@ -101,7 +109,7 @@ def sampling_error(exc: ValueError, renames: dict[str, str]) -> APIError:
     field = message.split(" ", 1)[0]
     param = renames.get(field, field)
     if param != field:
-        message = param + message[len(field):]
+        message = param + message[len(field) :]
     return bad_request(message, param)
 
 
@@ -125,8 +133,14 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-               type(None): "null"}
+_JSON_KINDS = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 def _json_error(request: Request, exc: RequestValidationError, error: dict[str, Any]) -> str:
@@ -167,8 +181,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parsing
         bad = exc.__cause__
-        message = (f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at position "
-                   f"{bad.start} ({bad.reason}); send JSON encoded as UTF-8")
+        message = (
+            f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at position "
+            f"{bad.start} ({bad.reason}); send JSON encoded as UTF-8"
+        )
     elif exc.status_code == 404:
         message = f"no such route: {request.method} {request.url.path}"
     elif exc.status_code == 405:
@@ -176,8 +192,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     else:
         message = str(exc.detail)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return APIError(exc.status_code, message, type=kind, code="not_found" if exc.status_code == 404 else None,
-                    headers=dict(exc.headers or {})).response()
+    return APIError(
+        exc.status_code,
+        message,
+        type=kind,
+        code="not_found" if exc.status_code == 404 else None,
+        headers=dict(exc.headers or {}),
+    ).response()
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -21,5 +21,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     """The warning to shout when the server is reachable from other machines without a key."""
     if api_key or is_loopback(host):
         return None
-    return (f"WARNING: serving on {host} WITHOUT an API key: anyone who can reach this machine can use "
-            f"the model. Pass --api-key KEY, or bind 127.0.0.1.")
+    return (
+        f"WARNING: serving on {host} WITHOUT an API key: anyone who can reach this machine can use "
+        f"the model. Pass --api-key KEY, or bind 127.0.0.1."
+    )

@@ -19,8 +19,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Request
 
-from chatapp.engine.api import EngineClient
-from chatapp.engine.api import context_length_error
+from chatapp.engine.api import EngineClient, context_length_error
 from chatapp.engine.output_processor import OutputDelta
 from chatapp.engine.outputs import TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams
@@ -66,8 +65,9 @@ def check_context(ids: Sequence[int], max_model_len: int, max_tokens: int | None
     if not ids:
         raise bad_request(f"{param} is empty", param)
     if len(ids) >= max_model_len:
-        raise APIError(400, context_length_error(max_model_len, len(ids), max_tokens), param=param,
-                       code="context_length_exceeded")
+        raise APIError(
+            400, context_length_error(max_model_len, len(ids), max_tokens), param=param, code="context_length_exceeded"
+        )
 
 
 # -- sampling parameters -------------------------------------------------------
@@ -96,8 +96,15 @@ def parse_logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int,
     return out
 
 
-def sampling_params(body: SamplingFields, *, n: int, vocab_size: int, max_tokens: int | None,
-                    logprobs: int | None, renames: dict[str, str] | None = None) -> list[SamplingParams]:
+def sampling_params(
+    body: SamplingFields,
+    *,
+    n: int,
+    vocab_size: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    renames: dict[str, str] | None = None,
+) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ."""
     if body.seed is not None and not -(2**63) <= body.seed <= 2**63 - n:  # the engine's generators take int64
         raise bad_request(f"seed must fit in a signed 64-bit integer, got {body.seed}", "seed")
@@ -149,8 +156,9 @@ class ChoiceStreams:
     as it yields its first token (its prompt then sits in the cache).
     """
 
-    def __init__(self, client: EngineClient, prompts: list[list[int]], params: list[SamplingParams],
-                 request_id: str) -> None:
+    def __init__(
+        self, client: EngineClient, prompts: list[list[int]], params: list[SamplingParams], request_id: str
+    ) -> None:
         self._client = client
         self._prompts = prompts
         self._params = params
@@ -283,12 +291,16 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI's usage object; the prompt counts once however many choices were asked for."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-async def token_id_lists(client: EngineClient, given: str | list[int] | list[str] | list[list[int]], field: str,
-                         max_items: int) -> list[list[int]]:
+async def token_id_lists(
+    client: EngineClient, given: str | list[int] | list[str] | list[list[int]], field: str, max_items: int
+) -> list[list[int]]:
     """OpenAI's text-or-tokens inputs (one string, one id list, or a list of either) -> checked id lists.
 
     Errors name the item (``prompt[2]``) when several were given, as the SDK user wrote them."""

@@ -17,8 +17,9 @@ def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
-                  top_n: int) -> list[dict[str, Any]]:
+def chat_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], top_n: int
+) -> list[dict[str, Any]]:
     """The ``choices[i].logprobs.content`` entries for these tokens."""
     out = []
     for token_id, lp in zip(token_ids, logprobs):
@@ -31,8 +32,9 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[Tok
     return out
 
 
-def completion_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
-                        top_n: int, text_offset: int) -> tuple[dict[str, Any], int]:
+def completion_logprobs(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], top_n: int, text_offset: int
+) -> tuple[dict[str, Any], int]:
     """The legacy ``{tokens, token_logprobs, top_logprobs, text_offset}`` columns, and the next offset."""
     cols: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, lp in zip(token_ids, logprobs):

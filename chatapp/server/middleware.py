@@ -32,8 +32,11 @@ class BodySizeLimit:
                 return
             received += len(message.get("body", b""))
             more = message.get("more_body", False)
-        error = APIError(413, f"The request body is larger than this server's limit of {self.max_bytes} bytes.",
-                         code="request_too_large")
+        error = APIError(
+            413,
+            f"The request body is larger than this server's limit of {self.max_bytes} bytes.",
+            code="request_too_large",
+        )
         await error.response()(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 from collections.abc import Generator, Sequence
@@ -66,8 +65,9 @@ class ServerHandle:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -85,10 +85,17 @@ def _url(sock: socket.socket) -> tuple[str, int, str]:
     return host, port, f"http://{shown}:{port}"
 
 
-async def start_server(client: EngineClient | None, host: str = "127.0.0.1", port: int = 8000, *,
-                       api_key: str | None = None, cors_origins: Sequence[str] = (),
-                       max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, access_log: bool = False,
-                       log_exposure: bool = True) -> ServerHandle:
+async def start_server(
+    client: EngineClient | None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    api_key: str | None = None,
+    cors_origins: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    access_log: bool = False,
+    log_exposure: bool = True,
+) -> ServerHandle:
     """Serve the OpenAI-compatible API on ``client`` from this event loop; returns once it listens.
 
     Raises OSError if the address cannot be bound. ``client`` may be None
@@ -101,8 +108,9 @@ async def start_server(client: EngineClient | None, host: str = "127.0.0.1", por
         log.warning(warning)
     app = create_app(client, api_key=api_key, cors_origins=cors_origins, max_body_bytes=max_body_bytes)
     sock = _bind(host, port)
-    config = uvicorn.Config(app, log_config=None, access_log=access_log, lifespan="off",
-                            timeout_graceful_shutdown=3, server_header=False)
+    config = uvicorn.Config(
+        app, log_config=None, access_log=access_log, lifespan="off", timeout_graceful_shutdown=3, server_header=False
+    )
     server = _EmbeddedServer(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="chatapp-http-server")
     while not server.started:

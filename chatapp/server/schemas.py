@@ -70,8 +70,11 @@ class _Body(_Request):
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         if isinstance(data, dict) and (where := lone_surrogate(data)) is not None:
-            raise PydanticCustomError("invalid_unicode", "{param} is not valid Unicode: it holds a lone surrogate "
-                                      "(an unpaired \\ud800-\\udfff escape)", {"param": where})
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{param} is not valid Unicode: it holds a lone surrogate (an unpaired \\ud800-\\udfff escape)",
+                {"param": where},
+            )
         return data
 
 
@@ -101,12 +104,16 @@ class SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = Field(default=None, description="token id (as a string) -> bias in [-100, 100]")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="token id (as a string) -> bias in [-100, 100]"
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool | None = Field(default=None, description="keep generating past end-of-sequence "
-                                    "(an extension vLLM and llama.cpp share; for benchmarks)")
+    ignore_eos: bool | None = Field(
+        default=None,
+        description="keep generating past end-of-sequence (an extension vLLM and llama.cpp share; for benchmarks)",
+    )
 
 
 class ChatCompletionRequest(SamplingFields):

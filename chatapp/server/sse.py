@@ -22,8 +22,9 @@ def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _encode(events: AsyncIterator[dict[str, Any]],
-                  to_api_error: Callable[[BaseException], APIError]) -> AsyncIterator[str]:
+async def _encode(
+    events: AsyncIterator[dict[str, Any]], to_api_error: Callable[[BaseException], APIError]
+) -> AsyncIterator[str]:
     try:
         async for payload in events:
             yield _event(payload)
@@ -32,8 +33,9 @@ async def _encode(events: AsyncIterator[dict[str, Any]],
     yield _DONE
 
 
-def event_stream(events: AsyncIterator[dict[str, Any]],
-                 to_api_error: Callable[[BaseException], APIError]) -> StreamingResponse:
+def event_stream(
+    events: AsyncIterator[dict[str, Any]], to_api_error: Callable[[BaseException], APIError]
+) -> StreamingResponse:
     return StreamingResponse(
         _encode(events, to_api_error),
         media_type="text/event-stream",

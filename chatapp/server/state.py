@@ -34,7 +34,7 @@ class ServerState:
 
     @property
     def phase(self) -> str:
-        """"ready", "loading", "restarting", "dead" or "closed".
+        """ "ready", "loading", "restarting", "dead" or "closed".
 
         A client may report its own ``state`` (AsyncEngineClient does:
         starting, loading, ready, dead, closed); the protocol does not require one.
@@ -104,9 +104,13 @@ class ServerState:
         aliases = {info.name.lower(), info.path, Path(info.path).name.lower()}
         if requested in aliases or requested.lower() in aliases:
             return info.name
-        raise APIError(404, f"The model `{requested}` is not loaded here; this server serves `{info.name}`. "
-                            f"Switch models in chatapp, or restart `chatapp serve --model {requested}`.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{requested}` is not loaded here; this server serves `{info.name}`. "
+            f"Switch models in chatapp, or restart `chatapp serve --model {requested}`.",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def get_state(request: Request) -> ServerState:

@@ -23,7 +23,7 @@ from textual.screen import Screen
 
 from chatapp.engine.api import EngineClient, EngineDeadError, EngineError
 from chatapp.history import HistoryError, HistoryOpenError, HistoryStore, Session
-from chatapp.settings import Settings, SettingsError, load_or_default, save
+from chatapp.settings import SettingsError, load_or_default, save
 from chatapp.tui import keymap
 from chatapp.tui.conversation import Conversation
 from chatapp.tui.downloads import PullCancelled, PullJob
@@ -66,10 +66,18 @@ class ChatApp(App[None]):
     CSS_PATH = [STYLES / "app.tcss", STYLES / "dialogs.tcss"]
     BINDINGS = keymap.bindings("app")
 
-    def __init__(self, *, settings_path: Path | None = None, history_path: Path | None = None,
-                 engine_factory: EngineFactory | None = None, catalog: ModelCatalog | None = None,
-                 model: str | None = None, session_sampling: dict[str, Any] | None = None,
-                 use_default_engine: bool = True, engine_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        settings_path: Path | None = None,
+        history_path: Path | None = None,
+        engine_factory: EngineFactory | None = None,
+        catalog: ModelCatalog | None = None,
+        model: str | None = None,
+        session_sampling: dict[str, Any] | None = None,
+        use_default_engine: bool = True,
+        engine_options: dict[str, Any] | None = None,
+    ) -> None:
         """
         Args:
             settings_path / history_path: the files to use (default: the user's).
@@ -87,8 +95,9 @@ class ChatApp(App[None]):
         self.catalog: ModelCatalog = catalog or HubCatalog()
         self.session_sampling = dict(session_sampling if session_sampling is not None else DEFAULT_SAMPLING)
         if engine_factory is None and use_default_engine:
-            engine_factory = default_engine_factory(model or self.settings.default_model,
-                                                    self.settings.engine.options(**(engine_options or {})))
+            engine_factory = default_engine_factory(
+                model or self.settings.default_model, self.settings.engine.options(**(engine_options or {}))
+            )
         self.engine = LocalEngine(engine_factory)
         self.store: HistoryStore | None = None
         self.recorder = Recorder(None, self._history_failed)
@@ -102,8 +111,12 @@ class ChatApp(App[None]):
 
     def on_mount(self) -> None:
         if self._settings_error is not None:
-            self.notify(f"{self._settings_error}\nUsing the default settings.", title="Settings file has errors",
-                        severity="error", timeout=15)
+            self.notify(
+                f"{self._settings_error}\nUsing the default settings.",
+                title="Settings file has errors",
+                severity="error",
+                timeout=15,
+            )
         try:
             self.theme = self.settings.theme
         except Exception:  # Textual's InvalidThemeError; any bad name falls back
@@ -126,8 +139,12 @@ class ChatApp(App[None]):
             self.store = HistoryStore(self.history_path)
         except HistoryOpenError as exc:
             self.store = None
-            self.notify(f"{exc}\nChats in this run are kept in memory only.", title="History unavailable",
-                        severity="error", timeout=20)
+            self.notify(
+                f"{exc}\nChats in this run are kept in memory only.",
+                title="History unavailable",
+                severity="error",
+                timeout=20,
+            )
         self.recorder.store = self.store
 
     def _load_sessions(self) -> list[tuple[SessionConfig, Conversation]]:
@@ -162,8 +179,7 @@ class ChatApp(App[None]):
         if main is not None:
             for pane in main.panes:
                 pane.stop()
-            await self.workers.wait_for_complete(
-                [w for w in self.workers if w.group == "generate"])
+            await self.workers.wait_for_complete([w for w in self.workers if w.group == "generate"])
         if self._server is not None:
             try:
                 await self._server.stop()
@@ -214,16 +230,21 @@ class ChatApp(App[None]):
             except HistoryError:
                 pass
         config = SessionConfig(title=f"Chat {number}", sampling=dict(self.session_sampling))
-        session = self.recorder.create_session(config.title, model=config.model, system_prompt="",
-                                               sampling=config.sampling, backend=config.backend)
+        session = self.recorder.create_session(
+            config.title, model=config.model, system_prompt="", sampling=config.sampling, backend=config.backend
+        )
         if session is not None:
             config.db_id = session.id
         return config
 
     def _history_failed(self, exc: HistoryError, first: bool) -> None:
         if first:
-            self.notify(f"{exc}\nYour chats go on in memory and are saved once writing works again.",
-                        title="Could not save the chat history", severity="error", timeout=15)
+            self.notify(
+                f"{exc}\nYour chats go on in memory and are saved once writing works again.",
+                title="Could not save the chat history",
+                severity="error",
+                timeout=15,
+            )
         self.call_later(self._poll_engine)
 
     # -- status ---------------------------------------------------------------------------------
@@ -274,8 +295,12 @@ class ChatApp(App[None]):
         try:
             path = save(new, self.settings_path)
         except SettingsError as exc:
-            self.notify(f"{exc}\nThe new settings apply to this run only.", title="Settings not saved",
-                        severity="error", timeout=15)
+            self.notify(
+                f"{exc}\nThe new settings apply to this run only.",
+                title="Settings not saved",
+                severity="error",
+                timeout=15,
+            )
             return
         notes = []
         if old.engine != new.engine or old.default_model != new.default_model:
@@ -385,8 +410,9 @@ class ChatApp(App[None]):
 
     def start_pull(self, spec: str) -> PullJob | None:
         if any(job.active for job in self.pulls):
-            self.notify("A download is already running; cancel it first (Ctrl+X in the model screen).",
-                        severity="warning")
+            self.notify(
+                "A download is already running; cancel it first (Ctrl+X in the model screen).", severity="warning"
+            )
             return None
         job = PullJob(spec)
         self.pulls.append(job)
@@ -406,15 +432,18 @@ class ChatApp(App[None]):
             job.state = "cancelled"
         except Exception as exc:  # HubError, disk errors: shown, never a traceback
             job.state, job.error = "failed", str(exc) or type(exc).__name__
-            self.call_from_thread(self.notify, f"Download of {job.spec} failed: {job.error}", severity="error",
-                                  timeout=15)
+            self.call_from_thread(
+                self.notify, f"Download of {job.spec} failed: {job.error}", severity="error", timeout=15
+            )
 
     # -- export ----------------------------------------------------------------------------------
 
     def export_session(self, config: SessionConfig) -> list[Path]:
         if config.db_id is None:
-            self.notify("This session is not in the history (it could not be saved), so it cannot be exported.",
-                        severity="warning")
+            self.notify(
+                "This session is not in the history (it could not be saved), so it cannot be exported.",
+                severity="warning",
+            )
             return []
         return self.export_by_id(config.db_id)
 
@@ -446,15 +475,16 @@ class ChatApp(App[None]):
                 continue
             target = screen if action.scope == "chat" else self
             key = keymap.display_key(keymap.key_for(action.name, self.settings.keys))
-            yield SystemCommand(action.description, f"{action.name} · {key}",
-                                partial(target.run_action, action.action))
+            yield SystemCommand(action.description, f"{action.name} · {key}", partial(target.run_action, action.action))
         yield from super().get_system_commands(screen)
 
 
 def run(args: argparse.Namespace | None = None) -> int:
     """Entry point of `chatapp` with no subcommand."""
     model = getattr(args, "model", None) if args is not None else None
-    options = {"max_model_len": getattr(args, "max_model_len", None),
-               "kv_cache_memory_gib": getattr(args, "kv_cache_gib", None)}
+    options = {
+        "max_model_len": getattr(args, "max_model_len", None),
+        "kv_cache_memory_gib": getattr(args, "kv_cache_gib", None),
+    }
     ChatApp(model=model, engine_options=options).run()
     return 0

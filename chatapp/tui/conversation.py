@@ -65,8 +65,16 @@ class Conversation:
         by_id: dict[int, Node] = {}
         for m in sorted(messages, key=lambda m: m.id):
             parent = by_id.get(m.parent_id) if m.parent_id is not None else None
-            node = Node(m.role, m.content, parent=parent, status=m.status, model=m.model, metrics=m.metrics,
-                        error=m.error, db_id=m.id)
+            node = Node(
+                m.role,
+                m.content,
+                parent=parent,
+                status=m.status,
+                model=m.model,
+                metrics=m.metrics,
+                error=m.error,
+                db_id=m.id,
+            )
             (parent.children if parent is not None else conv.roots).append(node)
             by_id[m.id] = node
         conv.leaf = by_id.get(selected_id) if selected_id is not None else None
@@ -83,8 +91,20 @@ class Conversation:
             metrics = Metrics(**m["metrics"]) if m.get("metrics") else None
             if metrics is not None and metrics.is_empty():
                 metrics = None
-            messages.append(Message(m["id"], session_id, m["parent_id"], m["role"], m["content"], m["status"],
-                                    0.0, m.get("model"), metrics, m.get("error")))
+            messages.append(
+                Message(
+                    m["id"],
+                    session_id,
+                    m["parent_id"],
+                    m["role"],
+                    m["content"],
+                    m["status"],
+                    0.0,
+                    m.get("model"),
+                    metrics,
+                    m.get("error"),
+                )
+            )
         return cls.from_messages(messages, data["session"].get("selected_leaf_id"))
 
     # -- reading ------------------------------------------------------------------------------

@@ -97,8 +97,9 @@ class LocalEngine:
             raise EngineDeadError("there is no local engine in this app")
         await self._ready.wait()
         if self._state == "dead" or self._client is None:
-            raise EngineDeadError(f"the engine is not running ({self._error or 'dead'}); "
-                                  "restart it (see the status bar)")
+            raise EngineDeadError(
+                f"the engine is not running ({self._error or 'dead'}); restart it (see the status bar)"
+            )
         return self._client
 
     def mark_dead(self, reason: str) -> None:
@@ -171,9 +172,16 @@ class LocalEngine:
         running = int(stats.get("num_running", 0) or 0)
         state = "busy" if self._state == "ready" and running else self._state
         loading = state in ("starting", "loading")
-        self._last = EngineSnapshot(state, model, device, progress if loading else None,
-                                    (used / total) if total and used is not None else None,
-                                    stats.get("prefix_cache_hit_rate"), running, detail if loading else None)
+        self._last = EngineSnapshot(
+            state,
+            model,
+            device,
+            progress if loading else None,
+            (used / total) if total and used is not None else None,
+            stats.get("prefix_cache_hit_rate"),
+            running,
+            detail if loading else None,
+        )
         return self._last
 
     @property

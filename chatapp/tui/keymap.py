@@ -42,15 +42,18 @@ ACTIONS: tuple[Action, ...] = (
     Action("new_session", "new_session", "New session pane", "ctrl+n", "chat"),
     Action("close_session", "close_session", "Close the focused session (kept in history)", "ctrl+w", "chat"),
     Action("rename_session", "rename_session", "Rename the focused session", "f3", "chat"),
-    Action("session_settings", "session_settings",
-           "Session settings: system prompt, sampling, local or remote", "f5", "chat"),
+    Action(
+        "session_settings",
+        "session_settings",
+        "Session settings: system prompt, sampling, local or remote",
+        "f5",
+        "chat",
+    ),
     Action("next_session", "next_session", "Focus the next session", "ctrl+pagedown,f6", "chat"),
-    Action("previous_session", "previous_session", "Focus the previous session", "ctrl+pageup,shift+f6",
-           "chat"),
+    Action("previous_session", "previous_session", "Focus the previous session", "ctrl+pageup,shift+f6", "chat"),
     Action("stop", "stop", "Stop the answer being generated", "escape", "chat"),
     Action("regenerate", "regenerate", "Regenerate the last answer (a new branch)", "ctrl+r", "chat"),
-    Action("edit_message", "edit_message", "Edit and resend your last message (a new branch)", "ctrl+e",
-           "chat"),
+    Action("edit_message", "edit_message", "Edit and resend your last message (a new branch)", "ctrl+e", "chat"),
     Action("previous_branch", "previous_branch", "Show the previous branch of a turn", "alt+left", "chat"),
     Action("next_branch", "next_branch", "Show the next branch of a turn", "alt+right", "chat"),
     Action("copy_answer", "copy_answer", "Copy the last answer to the clipboard", "ctrl+o", "chat"),
@@ -65,8 +68,11 @@ BY_NAME: Mapping[str, Action] = {a.name: a for a in ACTIONS}
 
 def bindings(scope: Scope) -> list[Binding]:
     """Textual bindings for one scope; ``priority`` so a focused text box cannot swallow them."""
-    return [Binding(a.default, a.action, a.description, show=False, priority=True, id=a.name)
-            for a in ACTIONS if a.scope == scope]
+    return [
+        Binding(a.default, a.action, a.description, show=False, priority=True, id=a.name)
+        for a in ACTIONS
+        if a.scope == scope
+    ]
 
 
 def keymap(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
@@ -77,8 +83,9 @@ def keymap(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         if _is_untouched_default(name, key):
             continue
         if name not in BY_NAME:
-            warnings.append(f"settings [keys]: there is no action named {name!r}; "
-                            f"known actions: {', '.join(sorted(BY_NAME))}")
+            warnings.append(
+                f"settings [keys]: there is no action named {name!r}; known actions: {', '.join(sorted(BY_NAME))}"
+            )
             continue
         result[name] = key if key else UNBOUND
     return result, warnings
@@ -101,5 +108,6 @@ def display_key(key: str) -> str:
     """'ctrl+pagedown,f6' -> 'Ctrl+PageDown / F6' for the help screen."""
     if not key or key == UNBOUND:
         return "(unbound)"
-    return " / ".join("+".join(part.capitalize() if len(part) > 1 else part.upper() for part in k.split("+"))
-                      for k in key.split(","))
+    return " / ".join(
+        "+".join(part.capitalize() if len(part) > 1 else part.upper() for part in k.split("+")) for k in key.split(",")
+    )

@@ -67,10 +67,21 @@ class HubCatalog:
         for m in store.list_models():
             f = m.facts
             estimate = estimate_for(f, available_bytes=available)
-            memory = (f"needs {format_bytes(estimate.total_bytes)} of {format_bytes(available)} free "
-                      f"({estimate.label})" if estimate else None)
-            bits = [b for b in (f.architecture, format_count(f.parameters) + " params" if f.parameters else None,
-                                f.quantization, memory) if b]
+            memory = (
+                f"needs {format_bytes(estimate.total_bytes)} of {format_bytes(available)} free ({estimate.label})"
+                if estimate
+                else None
+            )
+            bits = [
+                b
+                for b in (
+                    f.architecture,
+                    format_count(f.parameters) + " params" if f.parameters else None,
+                    f.quantization,
+                    memory,
+                )
+                if b
+            ]
             details = ", ".join(bits) if f.supported else f"cannot run: {f.reason}"
             entries.append(LocalEntry(m.name, m.source, m.size_bytes, details, f.supported))
         return entries
@@ -78,8 +89,10 @@ class HubCatalog:
     def search(self, query: str) -> list[HubEntry]:
         from chatapp import hub
 
-        return [HubEntry(r.repo_id, r.downloads, r.estimate.weights_bytes if r.estimate else None, r.label)
-                for r in hub.search_models(query)]
+        return [
+            HubEntry(r.repo_id, r.downloads, r.estimate.weights_bytes if r.estimate else None, r.label)
+            for r in hub.search_models(query)
+        ]
 
     def plan(self, spec: str) -> PullSize:
         from chatapp import hub

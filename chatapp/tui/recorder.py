@@ -42,12 +42,19 @@ class Recorder:
 
     # -- sessions ----------------------------------------------------------------------------
 
-    def create_session(self, title: str, *, model: str | None, system_prompt: str, sampling: Mapping[str, Any],
-                       backend: Backend) -> Session | None:
+    def create_session(
+        self, title: str, *, model: str | None, system_prompt: str, sampling: Mapping[str, Any], backend: Backend
+    ) -> Session | None:
         if self.store is None:
             return None
-        return self._call(self.store.create_session, title, model=model, system_prompt=system_prompt,
-                          sampling=sampling, backend=backend)
+        return self._call(
+            self.store.create_session,
+            title,
+            model=model,
+            system_prompt=system_prompt,
+            sampling=sampling,
+            backend=backend,
+        )
 
     def update_session(self, session_id: int | None, **changes: Any) -> None:
         if self.store is not None and session_id is not None:
@@ -71,12 +78,28 @@ class Recorder:
         if streaming:
             saved = self._call(self.store.start_answer, session_id, parent_id, model=node.model)
         else:
-            saved = self._call(self.store.add_message, session_id, parent_id, node.role, node.content,
-                               model=node.model, status=node.status)
-            if saved is not None and (node.metrics is not None or node.error is not None) \
-                    and node.status != "streaming":
-                self._call(self.store.finish_message, saved.id, node.content, status=node.status,
-                           metrics=node.metrics, error=node.error)
+            saved = self._call(
+                self.store.add_message,
+                session_id,
+                parent_id,
+                node.role,
+                node.content,
+                model=node.model,
+                status=node.status,
+            )
+            if (
+                saved is not None
+                and (node.metrics is not None or node.error is not None)
+                and node.status != "streaming"
+            ):
+                self._call(
+                    self.store.finish_message,
+                    saved.id,
+                    node.content,
+                    status=node.status,
+                    metrics=node.metrics,
+                    error=node.error,
+                )
         if saved is None:
             return False
         node.db_id = saved.id
@@ -92,6 +115,11 @@ class Recorder:
         """The answer's final text, status and metrics."""
         if not self.save(session_id, node, streaming=True):
             return
-        self._call(self.store.finish_message, node.db_id, node.content,  # type: ignore[union-attr]
-                   status=node.status if node.status != "streaming" else "complete",
-                   metrics=node.metrics or Metrics(), error=node.error)
+        self._call(
+            self.store.finish_message,
+            node.db_id,
+            node.content,  # type: ignore[union-attr]
+            status=node.status if node.status != "streaming" else "complete",
+            metrics=node.metrics or Metrics(),
+            error=node.error,
+        )

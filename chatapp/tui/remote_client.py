@@ -35,13 +35,19 @@ class RemoteClient:
         import openai  # here: ~0.3 s of imports the TUI should not pay before its first screen
 
         # The SDK insists on a key; servers without auth ignore it.
-        self._client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none", timeout=timeout_s,
-                                          max_retries=0)
+        self._client = openai.AsyncOpenAI(
+            base_url=base_url, api_key=api_key or "none", timeout=timeout_s, max_retries=0
+        )
         self._streams: dict[str, Any] = {}
 
-    async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None,
-                       request_id: str | None = None, *,
-                       messages: list[dict[str, Any]] | None = None) -> AsyncIterator[OutputDelta]:
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[OutputDelta]:
         """Stream one chat completion as OutputDelta items (the last one finished, with usage)."""
         import openai
 
@@ -58,8 +64,8 @@ class RemoteClient:
             kwargs["stop"] = list(params.stop_strings)
         try:
             stream = await self._client.chat.completions.create(
-                model=self.model, messages=messages, stream=True, stream_options={"include_usage": True},
-                **kwargs)
+                model=self.model, messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs
+            )
         except openai.BadRequestError as exc:
             raise InvalidRequestError(f"{self.base_url} refused the request: {_detail(exc)}") from None
         except openai.APIStatusError as exc:
@@ -98,7 +104,7 @@ class RemoteClient:
         await self._client.close()
 
 
-def _detail(exc: "openai.APIStatusError") -> str:
+def _detail(exc: openai.APIStatusError) -> str:
     body = exc.body
     if isinstance(body, dict):
         error = body.get("error", body)

@@ -11,9 +11,17 @@ from chatapp.history import Backend, Session
 DEFAULT_SAMPLING: dict[str, Any] = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 1024}
 """New sessions start with these; a pane's settings screen changes them per session."""
 
-SAMPLING_FIELDS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
-                                    "max_tokens": int, "seed": int, "repetition_penalty": float,
-                                    "presence_penalty": float, "frequency_penalty": float}
+SAMPLING_FIELDS: dict[str, type] = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "max_tokens": int,
+    "seed": int,
+    "repetition_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+}
 """The sampling parameters a session may set (a subset of SamplingParams), with their types."""
 
 
@@ -35,8 +43,9 @@ class SessionConfig:
 
     @classmethod
     def from_session(cls, session: Session) -> SessionConfig:
-        return cls(session.title, session.model, session.system_prompt, dict(session.sampling), session.backend,
-                   session.id)
+        return cls(
+            session.title, session.model, session.system_prompt, dict(session.sampling), session.backend, session.id
+        )
 
     @property
     def is_remote(self) -> bool:
@@ -67,8 +76,9 @@ def parse_sampling(values: dict[str, str]) -> dict[str, Any]:
         try:
             out[name] = kind(text)
         except ValueError:
-            raise SessionConfigError(f"{name} must be {'an integer' if kind is int else 'a number'}, "
-                                     f"got {text!r}") from None
+            raise SessionConfigError(
+                f"{name} must be {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
     try:
         SamplingParams(**out)
     except (TypeError, ValueError) as exc:

@@ -207,7 +207,8 @@ class GGUFModelFile:
         if arch is None:
             raise UnsupportedModelError(
                 f"GGUF architecture {self.architecture or 'unknown'!r} is not supported by chatapp's engine; "
-                f"it runs {', '.join(GGUF_ARCHITECTURES)}")
+                f"it runs {', '.join(GGUF_ARCHITECTURES)}"
+            )
         try:
             return self._model_config(arch)
         except (KeyError, TypeError, ValueError) as exc:
@@ -230,8 +231,11 @@ class GGUFModelFile:
         embed = self.tensor("token_embd.weight")
         vocab = int(self.arch_field("vocab_size", embed.shape[0]))
         head_dim = int(self.arch_field("attention.key_length", hidden // heads))
-        eos = {int(self.field(key)) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                                "tokenizer.ggml.eom_token_id") if self.field(key) is not None}
+        eos = {
+            int(self.field(key))
+            for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            if self.field(key) is not None
+        }
         bos = self.field("tokenizer.ggml.bos_token_id")
         return ModelConfig(
             architecture=arch,

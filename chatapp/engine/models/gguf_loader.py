@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 import numpy as np
 import torch
@@ -77,7 +77,9 @@ class _Loader:
         order = self.row_order(tensor, heads)
         if order is None:
             return tensor
-        return GGUFTensor(tensor.name, tensor.type_name, tensor.type_id, tensor.shape, tensor.data[order], tensor.offset)
+        return GGUFTensor(
+            tensor.name, tensor.type_name, tensor.type_id, tensor.shape, tensor.data[order], tensor.offset
+        )
 
     def row_order(self, tensor: GGUFTensor, heads: int | None) -> np.ndarray | None:
         if heads is None or not self.gguf.permuted_qk:
@@ -97,19 +99,29 @@ class _Loader:
         mc, p = self.mc, f"blk.{layer}."
         if kind == "qkv":
             kv = mc.num_kv_heads * mc.head_dim
-            return [(p + "attn_q.weight", mc.num_heads * mc.head_dim, mc.num_heads),
-                    (p + "attn_k.weight", kv, mc.num_kv_heads), (p + "attn_v.weight", kv, None)]
+            return [
+                (p + "attn_q.weight", mc.num_heads * mc.head_dim, mc.num_heads),
+                (p + "attn_k.weight", kv, mc.num_kv_heads),
+                (p + "attn_v.weight", kv, None),
+            ]
         if kind == "o":
             return [(p + "attn_output.weight", mc.hidden_size, None)]
         if kind == "gate_up":
-            return [(p + "ffn_gate.weight", mc.intermediate_size, None), (p + "ffn_up.weight", mc.intermediate_size, None)]
+            return [
+                (p + "ffn_gate.weight", mc.intermediate_size, None),
+                (p + "ffn_up.weight", mc.intermediate_size, None),
+            ]
         return [(p + "ffn_down.weight", mc.hidden_size, None)]
 
     def bias(self, layer: int, kind: str) -> torch.Tensor | None:
-        names = {"qkv": ["attn_q.bias", "attn_k.bias", "attn_v.bias"], "gate_up": ["ffn_gate.bias", "ffn_up.bias"],
-                 "down": ["ffn_down.bias"], "o": ["attn_output.bias"]}[kind]
+        names = {
+            "qkv": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+            "gate_up": ["ffn_gate.bias", "ffn_up.bias"],
+            "down": ["ffn_down.bias"],
+            "o": ["attn_output.bias"],
+        }[kind]
         parts = []
-        for (weight, rows, heads), name in zip(self.projections(layer, kind), names):
+        for (_weight, rows, heads), name in zip(self.projections(layer, kind), names):
             full = f"blk.{layer}.{name}"
             if full not in self.gguf.tensors:
                 return None
@@ -118,8 +130,9 @@ class _Loader:
         return torch.cat(parts)
 
 
-def _repack_fused(ext: ModuleType, loader: _Loader, parts: list[tuple[str, int, int | None]],
-                  tensors: list[GGUFTensor], k: int) -> list[PackedPart]:
+def _repack_fused(
+    ext: ModuleType, loader: _Loader, parts: list[tuple[str, int, int | None]], tensors: list[GGUFTensor], k: int
+) -> list[PackedPart]:
     """Repack a projection's tensors; neighbours of one kind share one packing (one kernel call).
 
     Each tensor is written straight into its slice of the shared packing, so loading makes no
@@ -129,8 +142,7 @@ def _repack_fused(ext: ModuleType, loader: _Loader, parts: list[tuple[str, int, 
     for i, t in enumerate(tensors):
         kind = KIND_FOR_GGUF_TYPE[t.type_name]
         prev = groups[-1][-1] if groups else None
-        if (prev is not None and KIND_FOR_GGUF_TYPE[tensors[prev].type_name] == kind
-                and parts[prev][1] % TILE == 0):
+        if prev is not None and KIND_FOR_GGUF_TYPE[tensors[prev].type_name] == kind and parts[prev][1] % TILE == 0:
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -143,16 +155,22 @@ def _repack_fused(ext: ModuleType, loader: _Loader, parts: list[tuple[str, int, 
         for i, n_tiles in zip(group, tiles):
             tensor, order = tensors[i], loader.row_order(tensors[i], parts[i][2])
             if order is not None:  # q/k rows come from all over the tensor: repack it whole
-                ext.repack_gguf(_torch(tensor.data), tensor.type_id, k, torch.from_numpy(order),
-                                out[start : start + n_tiles])
+                ext.repack_gguf(
+                    _torch(tensor.data), tensor.type_id, k, torch.from_numpy(order), out[start : start + n_tiles]
+                )
                 loader.gguf.release(tensor)
             else:  # a few MB at a time, each chunk's file pages dropped once packed
                 step = max(TILE, _CHUNK_BYTES // tensor.data.shape[1] // TILE * TILE)
                 for first in range(0, tensor.shape[0], step):
                     rows = slice(first, min(first + step, tensor.shape[0]))
                     t0 = start + first // TILE
-                    ext.repack_gguf(_torch(tensor.data[rows]), tensor.type_id, k, None,
-                                    out[t0 : t0 + -(-(rows.stop - first) // TILE)])
+                    ext.repack_gguf(
+                        _torch(tensor.data[rows]),
+                        tensor.type_id,
+                        k,
+                        None,
+                        out[t0 : t0 + -(-(rows.stop - first) // TILE)],
+                    )
                     loader.gguf.release(tensor, rows)
             start += n_tiles
         packed.append(PackedPart(out, kind, sum(parts[i][1] for i in group)))
@@ -192,8 +210,9 @@ def native_weight_bytes(gguf: GGUFModelFile, mc: ModelConfig) -> int:
     return total
 
 
-def load_gguf_float(gguf: GGUFModelFile, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
-                    max_positions: int) -> LlamaForCausalLM:
+def load_gguf_float(
+    gguf: GGUFModelFile, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
     """Every tensor de-quantised into a float model of ``dtype`` (GPU, or the CPU without our kernels)."""
     _check_layer_count(gguf, mc)
     model = LlamaForCausalLM(mc, max_positions, device="meta")
@@ -215,8 +234,12 @@ def load_gguf_float(gguf: GGUFModelFile, mc: ModelConfig, dtype: torch.dtype, de
             if attn.q_norm is not None:
                 put(attn.q_norm.weight, f"blk.{i}.attn_q_norm.weight")
                 put(attn.k_norm.weight, f"blk.{i}.attn_k_norm.weight")
-            for kind, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                 ("down", mlp.down_proj)):
+            for kind, linear in (
+                ("qkv", attn.qkv_proj),
+                ("o", attn.o_proj),
+                ("gate_up", mlp.gate_up_proj),
+                ("down", mlp.down_proj),
+            ):
                 start = 0
                 for name, rows, heads in loader.projections(i, kind):
                     put(linear.weight[start : start + rows], name, heads)
@@ -231,8 +254,13 @@ def load_gguf_float(gguf: GGUFModelFile, mc: ModelConfig, dtype: torch.dtype, de
     return model
 
 
-def load_gguf_native(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, ext: ModuleType,
-                     progress: Callable[[int, int], None] | None = None) -> LlamaForCausalLM:
+def load_gguf_native(
+    gguf: GGUFModelFile,
+    mc: ModelConfig,
+    max_positions: int,
+    ext: ModuleType,
+    progress: Callable[[int, int], None] | None = None,
+) -> LlamaForCausalLM:
     """Our CPU model with every projection in the file's own blocks (float32 activations)."""
     _check_layer_count(gguf, mc)
     device, dtype = torch.device("cpu"), torch.float32
@@ -251,8 +279,11 @@ def load_gguf_native(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, e
                 raise GGUFError(f"tensor {name} has shape {t.shape}, expected {(rows, k)}")
         if all(t.type_name in NATIVE_TYPES for t in tensors):
             return BlockQuantLinear(_repack_fused(ext, loader, parts, tensors, k), k, bias, ext)
-        log.info("%s: %s is not a type our kernels run; de-quantised to float32",
-                 parts[0][0], "/".join(sorted({t.type_name for t in tensors})))
+        log.info(
+            "%s: %s is not a type our kernels run; de-quantised to float32",
+            parts[0][0],
+            "/".join(sorted({t.type_name for t in tensors})),
+        )
         dense = nn.Linear(k, sum(rows for _n, rows, _h in parts), bias=bias is not None)
         with torch.no_grad():
             dense.weight.copy_(torch.cat([loader.float_tensor(name, (rows, k), heads) for name, rows, heads in parts]))
@@ -280,8 +311,10 @@ def load_gguf_native(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, e
     model.lm_head = None
     model.embed_tokens = GGUFEmbedding(gguf.tensor("token_embd.weight"), dtype, device)
     if model.embed_tokens.num_embeddings != mc.vocab_size or model.embed_tokens.embedding_dim != h:
-        raise GGUFError(f"tensor token_embd.weight has shape {gguf.tensor('token_embd.weight').shape}, "
-                        f"expected {(mc.vocab_size, h)}")
+        raise GGUFError(
+            f"tensor token_embd.weight has shape {gguf.tensor('token_embd.weight').shape}, "
+            f"expected {(mc.vocab_size, h)}"
+        )
     still_meta = [name for name, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise GGUFError(f"{gguf.path.name}: no weights loaded for {', '.join(still_meta[:4])}")

@@ -48,8 +48,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         heads = self.num_heads + self.num_kv_heads
@@ -82,8 +83,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, device)
         self.mlp = MLP(mc, device)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, table, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -100,8 +102,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = mc
         # An uninitialised weight: the loader fills it (nn.Embedding's own normal_ init is the slow ref op).
-        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size,
-                                         _weight=torch.empty(mc.vocab_size, mc.hidden_size, device=device))
+        self.embed_tokens = nn.Embedding(
+            mc.vocab_size, mc.hidden_size, _weight=torch.empty(mc.vocab_size, mc.hidden_size, device=device)
+        )
         self.layers = nn.ModuleList(DecoderLayer(mc, i, device) for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, device)
         if mc.tie_word_embeddings:

@@ -46,8 +46,9 @@ def _shard_sizes(mc: ModelConfig, fused: str) -> list[int]:
     return [mc.intermediate_size, mc.intermediate_size]
 
 
-def load_model(model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
     model = LlamaForCausalLM(mc, max_positions, device="meta")
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
@@ -60,17 +61,19 @@ def load_model(model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: tor
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
-        raise CheckpointError(f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:6])}"
-                              + (" ..." if len(missing) > 6 else ""))
+        raise CheckpointError(
+            f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else "")
+        )
     model.build_rope(dtype, device)
     model.eval()
     return model
 
 
-def _load_tensor(name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter],
-                 loaded: set[str], mc: ModelConfig) -> None:
+def _load_tensor(
+    name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter], loaded: set[str], mc: ModelConfig
+) -> None:
     if name.startswith("model."):
-        name = name[len("model."):]
+        name = name[len("model.") :]
     if "rotary_emb" in name:
         return
     if name == "lm_head.weight" and mc.tie_word_embeddings:

@@ -40,8 +40,15 @@ class RotaryEmbedding(torch.nn.Module):
     same float results as Hugging Face's formula.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         # float32 throughout, as Hugging Face computes it, so positions rotate identically.
@@ -49,8 +56,7 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         self.half = head_dim // 2
         self.register_buffer("cos", torch.cat((cos, cos), -1).to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("signed_sin", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype),
-                             persistent=False)
+        self.register_buffer("signed_sin", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed_sin) shaped [T, 1, D] for a step's positions."""

@@ -19,8 +19,13 @@ from chatapp.server.state import ServerState, get_state
 
 router = APIRouter()
 
-_UNSUPPORTED_PARTS = {"image_url": "image input", "input_image": "image input", "input_audio": "audio input",
-                      "audio": "audio input", "file": "file input"}
+_UNSUPPORTED_PARTS = {
+    "image_url": "image input",
+    "input_image": "image input",
+    "input_audio": "audio input",
+    "audio": "audio input",
+    "file": "file input",
+}
 
 
 def _check_supported(body: ChatCompletionRequest) -> None:
@@ -46,15 +51,24 @@ def _check_supported(body: ChatCompletionRequest) -> None:
                 if kind in _UNSUPPORTED_PARTS:
                     raise unsupported(f"messages[{i}].content[{j}]", f"{_UNSUPPORTED_PARTS[kind]} ({kind!r} parts)")
                 if kind == "text" and not isinstance(part.get("text"), str):
-                    raise bad_request(f"messages[{i}].content[{j}].text must be a string",
-                                      f"messages[{i}].content[{j}].text")
+                    raise bad_request(
+                        f"messages[{i}].content[{j}].text must be a string", f"messages[{i}].content[{j}].text"
+                    )
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion,
-             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
-                        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"}})
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           state: ServerState = Depends(get_state)) -> Any:
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={
+        400: {"model": ErrorResponse},
+        404: {"model": ErrorResponse},
+        503: {"model": ErrorResponse},
+        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"},
+    },
+)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
+) -> Any:
     client = state.engine()
     model = state.served_model(body.model)
     info = client.model_info
@@ -63,9 +77,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
     params = gen.sampling_params(
-        body, n=n, vocab_size=info.vocab_size, max_tokens=max_tokens, logprobs=top_n if body.logprobs else None,
-        renames={"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
-                 "logprobs": "top_logprobs"},
+        body,
+        n=n,
+        vocab_size=info.vocab_size,
+        max_tokens=max_tokens,
+        logprobs=top_n if body.logprobs else None,
+        renames={
+            "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+            "logprobs": "top_logprobs",
+        },
     )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
@@ -84,27 +104,55 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
             raise state.error(exc, "messages") from None
         choices = []
         for i, r in enumerate(results):
-            logprobs = ({"content": chat_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n)}
-                        if body.logprobs else None)
-            choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
-                            "logprobs": logprobs, "finish_reason": r.finish_reason})
+            logprobs = (
+                {"content": chat_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n)} if body.logprobs else None
+            )
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": logprobs,
+                    "finish_reason": r.finish_reason,
+                }
+            )
         completion = sum(r.num_output_tokens for r in results)
-        return ChatCompletion(id=request_id, created=created, model=model, choices=choices,
-                              usage=gen.usage(len(prompt), completion))
+        return ChatCompletion(
+            id=request_id, created=created, model=model, choices=choices, usage=gen.usage(len(prompt), completion)
+        )
 
     try:
         first = await gen.first_delta(request, streams)
     except Exception as exc:  # noqa: BLE001
         raise state.error(exc, "messages") from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunks = _chunks(client, streams, first, request_id=request_id, created=created, model=model, n=n,
-                     prompt_tokens=len(prompt), top_n=top_n if body.logprobs else None, include_usage=include_usage)
+    chunks = _chunks(
+        client,
+        streams,
+        first,
+        request_id=request_id,
+        created=created,
+        model=model,
+        n=n,
+        prompt_tokens=len(prompt),
+        top_n=top_n if body.logprobs else None,
+        include_usage=include_usage,
+    )
     return event_stream(chunks, lambda exc: state.error(exc, "messages"))
 
 
-async def _chunks(client: EngineClient, streams: gen.ChoiceStreams, first: tuple[int, Any] | None, *,
-                  request_id: str, created: int, model: str, n: int, prompt_tokens: int, top_n: int | None,
-                  include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(
+    client: EngineClient,
+    streams: gen.ChoiceStreams,
+    first: tuple[int, Any] | None,
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    n: int,
+    prompt_tokens: int,
+    top_n: int | None,
+    include_usage: bool,
+) -> AsyncIterator[dict[str, Any]]:
     """chat.completion.chunk events: a role chunk per choice, content chunks, one finish chunk per choice."""
     base: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 
 from chatapp.engine.api import EngineClient
 from chatapp.server import generation as gen
-from chatapp.server.errors import bad_request, unsupported
+from chatapp.server.errors import unsupported
 from chatapp.server.logprobs import completion_logprobs
 from chatapp.server.schemas import Completion, CompletionRequest, ErrorResponse
 from chatapp.server.sse import event_stream
@@ -22,9 +22,16 @@ router = APIRouter()
 MAX_PROMPTS = 64
 
 
-@router.post("/v1/completions", response_model=Completion,
-             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse},
-                        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"}})
+@router.post(
+    "/v1/completions",
+    response_model=Completion,
+    responses={
+        400: {"model": ErrorResponse},
+        404: {"model": ErrorResponse},
+        503: {"model": ErrorResponse},
+        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"},
+    },
+)
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
     client = state.engine()
     model = state.served_model(body.model)
@@ -36,8 +43,9 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     n = gen.check_n(body.n)
     if body.best_of is not None and body.best_of != n:
         raise unsupported("best_of", "best_of other than n")
-    params = gen.sampling_params(body, n=n, vocab_size=info.vocab_size, max_tokens=body.max_tokens,
-                                 logprobs=body.logprobs)
+    params = gen.sampling_params(
+        body, n=n, vocab_size=info.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
+    )
     prompts = await gen.token_id_lists(client, body.prompt, "prompt", MAX_PROMPTS)
     for i, ids in enumerate(prompts):
         gen.check_context(ids, info.max_model_len, body.max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
@@ -55,26 +63,48 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
             raise state.error(exc, "prompt") from None
         choices = []
         for k, r in enumerate(results):
-            logprobs = (completion_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n, 0)[0]
-                        if top_n is not None else None)
+            logprobs = (
+                completion_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n, 0)[0]
+                if top_n is not None
+                else None
+            )
             choices.append({"index": k, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason})
         completion = sum(r.num_output_tokens for r in results)
-        return Completion(id=request_id, created=created, model=model, choices=choices,
-                          usage=gen.usage(prompt_tokens, completion))
+        return Completion(
+            id=request_id, created=created, model=model, choices=choices, usage=gen.usage(prompt_tokens, completion)
+        )
 
     try:
         first = await gen.first_delta(request, streams)
     except Exception as exc:  # noqa: BLE001
         raise state.error(exc, "prompt") from None
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    chunks = _chunks(client, streams, first, request_id=request_id, created=created, model=model,
-                     prompt_tokens=prompt_tokens, top_n=top_n, include_usage=include_usage)
+    chunks = _chunks(
+        client,
+        streams,
+        first,
+        request_id=request_id,
+        created=created,
+        model=model,
+        prompt_tokens=prompt_tokens,
+        top_n=top_n,
+        include_usage=include_usage,
+    )
     return event_stream(chunks, lambda exc: state.error(exc, "prompt"))
 
 
-async def _chunks(client: EngineClient, streams: gen.ChoiceStreams, first: tuple[int, Any] | None, *,
-                  request_id: str, created: int, model: str, prompt_tokens: int, top_n: int | None,
-                  include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(
+    client: EngineClient,
+    streams: gen.ChoiceStreams,
+    first: tuple[int, Any] | None,
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    prompt_tokens: int,
+    top_n: int | None,
+    include_usage: bool,
+) -> AsyncIterator[dict[str, Any]]:
     """text_completion events: text chunks, then one chunk with the finish_reason per choice."""
     base: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model}
 
@@ -92,8 +122,9 @@ async def _chunks(client: EngineClient, streams: gen.ChoiceStreams, first: tuple
             index, delta = item
             logprobs = None
             if top_n is not None and delta.logprobs:
-                logprobs, offsets[index] = completion_logprobs(client.tokenizer, delta.token_ids, delta.logprobs,
-                                                               top_n, offsets.get(index, 0))
+                logprobs, offsets[index] = completion_logprobs(
+                    client.tokenizer, delta.token_ids, delta.logprobs, top_n, offsets.get(index, 0)
+                )
             if delta.text or logprobs:
                 yield chunk(index, delta.text, logprobs)
             if delta.finished:

@@ -9,7 +9,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 
 from chatapp.server import generation as gen
-from chatapp.server.errors import bad_request, unsupported
+from chatapp.server.errors import unsupported
 from chatapp.server.schemas import EmbeddingList, EmbeddingRequest, ErrorResponse
 from chatapp.server.state import ServerState, get_state
 
@@ -23,8 +23,11 @@ def encode_base64(vector: list[float]) -> str:
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingList,
-             responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+@router.post(
+    "/v1/embeddings",
+    response_model=EmbeddingList,
+    responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+)
 async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
     client = state.engine()
     model = state.served_model(body.model)

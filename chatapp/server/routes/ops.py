@@ -20,21 +20,41 @@ _METRICS = [
     ("num_waiting", "chatapp_requests_waiting", "gauge", "Requests queued for a place in the batch."),
     ("kv_blocks_used", "chatapp_kv_cache_blocks_used", "gauge", "KV cache blocks in use."),
     ("kv_blocks_total", "chatapp_kv_cache_blocks_total", "gauge", "KV cache blocks in the pool."),
-    ("prefix_cache_hit_rate", "chatapp_prefix_cache_hit_rate", "gauge",
-     "Share of prompt blocks found in the prefix cache."),
+    (
+        "prefix_cache_hit_rate",
+        "chatapp_prefix_cache_hit_rate",
+        "gauge",
+        "Share of prompt blocks found in the prefix cache.",
+    ),
     ("prefix_cache_queries", "chatapp_prefix_cache_queries_total", "counter", "Prompt blocks looked up."),
     ("prefix_cache_hits", "chatapp_prefix_cache_hits_total", "counter", "Prompt blocks found in the cache."),
     ("num_preemptions", "chatapp_preemptions_total", "counter", "Requests preempted to free KV blocks."),
     ("prompt_tokens_total", "chatapp_prompt_tokens_total", "counter", "Prompt tokens processed."),
     ("generation_tokens_total", "chatapp_generation_tokens_total", "counter", "Tokens generated."),
-    ("forward_seconds_total", "chatapp_forward_seconds_total", "counter",
-     "Seconds in the model's forward pass (and LM head)."),
-    ("step_seconds_total", "chatapp_step_seconds_total", "counter",
-     "Seconds in engine steps: the forward plus scheduling, input preparation and sampling."),
-    ("busy_loop_seconds_total", "chatapp_busy_loop_seconds_total", "counter",
-     "Seconds the engine loop spent while it had work: steps plus IPC and housekeeping."),
-    ("generation_tokens_per_second", "chatapp_generation_tokens_per_second", "gauge",
-     "Generation speed over the last seconds of work."),
+    (
+        "forward_seconds_total",
+        "chatapp_forward_seconds_total",
+        "counter",
+        "Seconds in the model's forward pass (and LM head).",
+    ),
+    (
+        "step_seconds_total",
+        "chatapp_step_seconds_total",
+        "counter",
+        "Seconds in engine steps: the forward plus scheduling, input preparation and sampling.",
+    ),
+    (
+        "busy_loop_seconds_total",
+        "chatapp_busy_loop_seconds_total",
+        "counter",
+        "Seconds the engine loop spent while it had work: steps plus IPC and housekeeping.",
+    ),
+    (
+        "generation_tokens_per_second",
+        "chatapp_generation_tokens_per_second",
+        "gauge",
+        "Generation speed over the last seconds of work.",
+    ),
 ]
 
 
@@ -72,8 +92,11 @@ def _label(value: str) -> str:
 async def metrics(state: ServerState = Depends(get_state)) -> PlainTextResponse:
     phase, stats = await _engine_stats(state)
     labels = f'{{model="{_label(state.model_id())}"}}'
-    lines = ["# HELP chatapp_engine_ready 1 when the engine takes requests, else 0.",
-             "# TYPE chatapp_engine_ready gauge", f"chatapp_engine_ready{labels} {int(phase == 'ready')}"]
+    lines = [
+        "# HELP chatapp_engine_ready 1 when the engine takes requests, else 0.",
+        "# TYPE chatapp_engine_ready gauge",
+        f"chatapp_engine_ready{labels} {int(phase == 'ready')}",
+    ]
     for key, name, kind, help_text in _METRICS:
         if stats is None or key not in stats:
             continue

@@ -32,15 +32,17 @@ class HelpScreen(ModalScreen[None]):
         with Vertical(classes="dialog wide"):
             yield Label("Keys", classes="dialog-title")
             yield DataTable(id="keys", cursor_type="row", zebra_stripes=True)
-            yield Label("Remap keys in settings.toml under [keys], e.g. regenerate = \"f7\" "
-                        "(\"\" unbinds). Esc closes.", classes="dialog-hint", markup=False)
+            yield Label(
+                'Remap keys in settings.toml under [keys], e.g. regenerate = "f7" ("" unbinds). Esc closes.',
+                classes="dialog-hint",
+                markup=False,
+            )
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.add_columns("Key", "Action", "Name in settings")
         for action in keymap.ACTIONS:
-            table.add_row(keymap.display_key(keymap.key_for(action.name, self._keys)), action.description,
-                          action.name)
+            table.add_row(keymap.display_key(keymap.key_for(action.name, self._keys)), action.description, action.name)
         for key, what in EXTRA_KEYS:
             table.add_row(key, what, "")
 

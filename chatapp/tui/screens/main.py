@@ -195,13 +195,19 @@ class MainScreen(Screen[None]):
         if pane is None:
             return
         new = await self.app.push_screen_wait(
-            SessionSettingsScreen(pane.config, [e.name for e in self.chat_app.settings.endpoints]))
+            SessionSettingsScreen(pane.config, [e.name for e in self.chat_app.settings.endpoints])
+        )
         if new is None:
             return
         pane.config = new
-        self.chat_app.recorder.update_session(new.db_id, title=new.title, model=new.model,
-                                              system_prompt=new.system_prompt, sampling=new.sampling,
-                                              backend=new.backend)
+        self.chat_app.recorder.update_session(
+            new.db_id,
+            title=new.title,
+            model=new.model,
+            system_prompt=new.system_prompt,
+            sampling=new.sampling,
+            backend=new.backend,
+        )
         pane.update_titles()
 
     def action_next_session(self) -> None:

@@ -44,8 +44,10 @@ class ModelScreen(ModalScreen[None]):
             with Vertical(id="download"):
                 yield Label("", id="download-label")
                 yield ProgressBar(id="download-progress", show_eta=False)
-            yield Label("Ctrl+X cancels the download · downloads go on when this screen is closed · Esc closes",
-                        classes="dialog-hint")
+            yield Label(
+                "Ctrl+X cancels the download · downloads go on when this screen is closed · Esc closes",
+                classes="dialog-hint",
+            )
 
     def on_mount(self) -> None:
         self.query_one("#local", DataTable).add_columns("Model", "Source", "Size", "Details")
@@ -102,8 +104,13 @@ class ModelScreen(ModalScreen[None]):
         table.clear()
         for r in results:
             label = Text(r.label, style=_LABEL_STYLES.get(r.label, "dim"))
-            table.add_row(r.repo_id, format_count(r.downloads) if r.downloads is not None else "?",
-                          format_bytes(r.size_bytes), label, key=r.repo_id)
+            table.add_row(
+                r.repo_id,
+                format_count(r.downloads) if r.downloads is not None else "?",
+                format_bytes(r.size_bytes),
+                label,
+                key=r.repo_id,
+            )
         if not results:
             self.notify("No supported text-generation models found.")
 
@@ -127,8 +134,13 @@ class ModelScreen(ModalScreen[None]):
         box.display = job is not None
         if job is None:
             return
-        label = {"planning": "Preparing", "downloading": "Downloading", "done": "Downloaded",
-                 "cancelled": "Cancelled", "failed": "Failed"}[job.state]
+        label = {
+            "planning": "Preparing",
+            "downloading": "Downloading",
+            "done": "Downloaded",
+            "cancelled": "Cancelled",
+            "failed": "Failed",
+        }[job.state]
         text = f"{label} {job.spec}"
         if job.total_bytes:
             text += f": {format_bytes(job.done_bytes)} of {format_bytes(job.total_bytes)}"

@@ -42,12 +42,17 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
                             value = c.sampling.get(name)
                             yield Input("" if value is None else str(value), id=f"s-{name}")
                 yield Label("Answers come from")
-                yield Select([("the local engine", "local"), ("a remote OpenAI-compatible server", "remote")],
-                             value=b.kind, allow_blank=False, id="backend")
+                yield Select(
+                    [("the local engine", "local"), ("a remote OpenAI-compatible server", "remote")],
+                    value=b.kind,
+                    allow_blank=False,
+                    id="backend",
+                )
                 with Vertical(id="remote-fields"):
                     yield Label("Endpoint from settings (or leave blank and give a URL)")
-                    yield Select([(name, name) for name in self._endpoints], value=b.endpoint or Select.NULL,
-                                 id="endpoint")
+                    yield Select(
+                        [(name, name) for name in self._endpoints], value=b.endpoint or Select.NULL, id="endpoint"
+                    )
                     yield Label("Base URL, e.g. http://127.0.0.1:11434/v1")
                     yield Input(b.base_url or "", id="base-url")
                     yield Label("API key (kept in the history file; prefer an endpoint in settings)")
@@ -93,14 +98,20 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
         model = self._config.model
         if self.query_one("#backend", Select).value == "remote":
             endpoint = self.query_one("#endpoint", Select).value
-            backend = Backend.remote(self._value("#base-url") or None,
-                                     endpoint=endpoint if isinstance(endpoint, str) else None,
-                                     api_key=self._value("#api-key") or None)
+            backend = Backend.remote(
+                self._value("#base-url") or None,
+                endpoint=endpoint if isinstance(endpoint, str) else None,
+                api_key=self._value("#api-key") or None,
+            )
             model = self._value("#model") or None
             if model is None:
                 raise SessionConfigError("a remote session needs the model name to ask the server for")
         else:
             backend = Backend.local()
-        return self._config.copy(title=self._value("#title") or self._config.title,
-                                 system_prompt=self.query_one("#system-prompt", TextArea).text,
-                                 sampling=sampling, backend=backend, model=model)
+        return self._config.copy(
+            title=self._value("#title") or self._config.title,
+            system_prompt=self.query_one("#system-prompt", TextArea).text,
+            sampling=sampling,
+            backend=backend,
+            model=model,
+        )

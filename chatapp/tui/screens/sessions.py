@@ -48,8 +48,10 @@ class SessionsScreen(ModalScreen[int | None]):
             yield Label("Sessions", classes="dialog-title")
             yield Input(placeholder="Search titles and messages…", id="search")
             yield DataTable(id="sessions", cursor_type="row", zebra_stripes=True)
-            yield Label("Type to search · ↓ to the list · Enter opens · Ctrl+S exports (Markdown and JSON) · "
-                        "Esc closes", classes="dialog-hint")
+            yield Label(
+                "Type to search · ↓ to the list · Enter opens · Ctrl+S exports (Markdown and JSON) · Esc closes",
+                classes="dialog-hint",
+            )
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)

@@ -42,8 +42,9 @@ class SettingsScreen(ModalScreen[Settings | None]):
                     yield Input("" if s.engine.max_model_len is None else str(s.engine.max_model_len), id="context")
                 with Vertical(classes="field"):
                     yield Label("KV cache cap in GiB (blank: sized to the context)")
-                    yield Input("" if s.engine.kv_cache_memory_gib is None else str(s.engine.kv_cache_memory_gib),
-                                id="kv-gib")
+                    yield Input(
+                        "" if s.engine.kv_cache_memory_gib is None else str(s.engine.kv_cache_memory_gib), id="kv-gib"
+                    )
             with Horizontal(classes="fields"):
                 with Vertical(classes="field"):
                     yield Label("API host")

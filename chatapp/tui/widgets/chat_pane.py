@@ -295,8 +295,16 @@ class ChatPane(Vertical):
             self._last_save = time.monotonic()
             self.services.recorder.update_partial(self.config.db_id, self._answer)
 
-    async def _end_stream(self, answer: Node, view: MessageView, finish: str | None, error: str | None,
-                          started: float, n_prompt: int, n_out: int) -> None:
+    async def _end_stream(
+        self,
+        answer: Node,
+        view: MessageView,
+        finish: str | None,
+        error: str | None,
+        started: float,
+        n_prompt: int,
+        n_out: int,
+    ) -> None:
         """Deliver the last text, record the outcome and metrics, and save the answer for good."""
         ended = time.monotonic()
         first = self._first_token
@@ -315,14 +323,17 @@ class ChatPane(Vertical):
                 pass  # its task was cancelled before it first ran (the stream ended at once)
         if view.body.source != answer.content:
             await view.body.update(answer.content)  # whatever the stream could not deliver
-        answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete",
-                         None: "incomplete"}.get(finish, "error")
+        answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete", None: "incomplete"}.get(
+            finish, "error"
+        )
         if answer.status == "error":
             answer.error = error or "the answer failed"
         answer.metrics = Metrics(
-            n_prompt or None, n_out or None,
+            n_prompt or None,
+            n_out or None,
             (n_out - 1) / (ended - first) if first is not None and n_out > 1 and ended > first else None,
-            (first - started) * 1000 if first is not None else None)
+            (first - started) * 1000 if first is not None else None,
+        )
         self.services.recorder.finish(self.config.db_id, answer)
         self.rate = answer.metrics.tokens_per_second
         view.refresh_meta()

@@ -19,8 +19,9 @@ class PromptInput(TextArea):
             self.text = text
 
     def __init__(self, *, id: str | None = None, placeholder: str = "") -> None:
-        super().__init__(id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
-                         placeholder=placeholder, compact=True)
+        super().__init__(
+            id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus", placeholder=placeholder, compact=True
+        )
 
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":

@@ -8,8 +8,14 @@ from textual.widget import Widget
 
 from chatapp.tui.engine_link import EngineSnapshot
 
-_STATE_STYLES = {"ready": "bold green", "busy": "bold yellow", "starting": "bold cyan", "loading": "bold cyan",
-                 "dead": "bold white on red", "off": "dim"}
+_STATE_STYLES = {
+    "ready": "bold green",
+    "busy": "bold yellow",
+    "starting": "bold cyan",
+    "loading": "bold cyan",
+    "dead": "bold white on red",
+    "off": "dim",
+}
 
 
 class StatusBar(Widget):
