@@ -242,7 +242,7 @@ async def _engine_stats(runtime: Path) -> dict[str, Any]:
 async def _soak(args: argparse.Namespace, serve: Serve) -> dict[str, Any]:
     tally = Tally()
     stats = await _engine_stats(serve.runtime)
-    engine_pid = stats["engine_pid"]
+    engine_pid = stats.engine_pid
     start = time.monotonic()
     deadline = start + args.minutes * 60
     warm_up = min(args.warm_up, args.minutes * 60 / 3)
@@ -261,10 +261,10 @@ async def _soak(args: argparse.Namespace, serve: Serve) -> dict[str, Any]:
     # Idle once the load stops (aborts of hung-up requests land within a step or two).
     for _ in range(100):
         stats = await _engine_stats(serve.runtime)
-        if stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]:
+        if stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total:
             break
         await asyncio.sleep(0.1)
-    idle = stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    idle = stats.num_running == stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total
 
     after_warm_up = next(s for s in samples if s[0] >= warm_up) if samples[-1][0] >= warm_up else samples[0]
     growth = samples[-1][1] / after_warm_up[1] - 1
@@ -272,7 +272,7 @@ async def _soak(args: argparse.Namespace, serve: Serve) -> dict[str, Any]:
         "minutes": args.minutes,
         "users": args.users,
         "seed": args.seed,
-        "model": stats["model"],
+        "model": stats.model,
         "engine_pid": engine_pid,
         "requests": tally.requests,
         "total_requests": sum(tally.requests.values()),
@@ -280,10 +280,10 @@ async def _soak(args: argparse.Namespace, serve: Serve) -> dict[str, Any]:
         "gave_up": tally.gave_up,
         "errors": tally.errors,
         "completion_tokens_received": tally.completion_tokens,
-        "generation_tokens_total": stats["generation_tokens_total"],
-        "prompt_tokens_total": stats["prompt_tokens_total"],
-        "num_preemptions": stats["num_preemptions"],
-        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        "generation_tokens_total": stats.generation_tokens_total,
+        "prompt_tokens_total": stats.prompt_tokens_total,
+        "num_preemptions": stats.num_preemptions,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
         "ttft_s": {"n": len(tally.ttft), "p50": _percentile(tally.ttft, 0.5), "p99": _percentile(tally.ttft, 0.99)},
         "itl_s": {"n": len(tally.itl), "p50": _percentile(tally.itl, 0.5), "p99": _percentile(tally.itl, 0.99)},
         "engine_rss_mib": {

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+from chatapp.engine.api import EngineStats
 from chatapp.engine.client import AsyncEngineClient
 from chatapp.engine.config import EngineConfig
 from chatapp.server import ServerHandle, start_server
@@ -69,10 +70,10 @@ class ServedEngine:
     def run(self, make: Callable[[], Awaitable[T]], timeout: float = 60) -> T:
         return self.submit(make).result(timeout)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.run(self.client.stats)
 
-    def wait_until(self, check: Callable[[dict[str, Any]], bool], timeout: float = 10) -> dict[str, Any]:
+    def wait_until(self, check: Callable[[EngineStats], bool], timeout: float = 10) -> EngineStats:
         """Poll the engine's stats until ``check`` holds; returns the last stats (the caller asserts)."""
         deadline = time.monotonic() + timeout
         stats = self.stats()
@@ -82,8 +83,6 @@ class ServedEngine:
         return stats
 
 
-def idle(stats: dict[str, Any]) -> bool:
+def idle(stats: EngineStats) -> bool:
     """Nothing running or queued, and every KV block free (cached prefixes count as free)."""
-    return (
-        stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    )
+    return stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_free == stats.kv_blocks_total

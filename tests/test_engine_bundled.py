@@ -54,7 +54,7 @@ def test_continuous_batch_with_chunked_prefill_matches_hf(llm: LLM, model_path) 
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == hf_greedy(model_path, out.prompt_token_ids, 24), prompt
         assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
-    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
 def test_shared_system_prompt_hits_prefix_cache(llm: LLM, model_path) -> None:
@@ -71,7 +71,7 @@ def test_shared_system_prompt_hits_prefix_cache(llm: LLM, model_path) -> None:
     shared_tokens = len(llm.tokenizer.render_chat([{"role": "system", "content": SYSTEM}], False))
     full_shared_blocks = shared_tokens // llm.config.block_size
     assert full_shared_blocks >= 6
-    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
     assert hits >= 3 * full_shared_blocks * llm.config.block_size
     for out in second:
         assert out.num_cached_tokens >= full_shared_blocks * llm.config.block_size
@@ -106,11 +106,11 @@ def test_preemption_under_a_small_pool_keeps_outputs_identical(model_path) -> No
     tight = LLM(num_kv_blocks=10, block_size=16, max_num_batched_tokens=64, quantization=None)
     outs = tight.generate(PROMPTS[:6], params)
     stats = tight.stats()
-    assert stats["num_preemptions"] > 0
+    assert stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == 10
-    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total == 10
+    assert stats.num_running == stats.num_waiting == 0
 
 
 def test_prompt_that_can_never_fit_finishes_with_an_error(model_path) -> None:
@@ -120,7 +120,7 @@ def test_prompt_that_can_never_fit_finishes_with_an_error(model_path) -> None:
     assert too_long.outputs[0].finish_reason == "error"
     assert too_long.error.startswith("This model's maximum context length is 64 tokens")
     assert fine.outputs[0].finish_reason in ("stop", "length") and fine.outputs[0].token_ids
-    assert small.stats()["kv_blocks_free"] == 4
+    assert small.stats().kv_blocks_free == 4
 
 
 def test_stop_strings_cut_the_text(llm: LLM) -> None:
@@ -130,4 +130,4 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
     out = cut.outputs[0]
     assert out.text == free.text[: free.text.index(" 7")]
     assert out.finish_reason == "stop" and out.stop_reason == " 7"
-    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total

@@ -23,7 +23,7 @@ import pytest_asyncio
 
 from chatapp import paths
 from chatapp.engine import LLM, SamplingParams, ipc
-from chatapp.engine.api import EngineBusyError, EngineDeadError, InvalidRequestError
+from chatapp.engine.api import EngineBusyError, EngineDeadError, EngineStats, InvalidRequestError
 from chatapp.engine.client import AsyncEngineClient, EngineModelMismatchError
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import context_length_error
@@ -94,7 +94,7 @@ async def collect(agen: Any) -> list[OutputDelta]:
     return [delta async for delta in agen]
 
 
-async def wait_for_stats(c: AsyncEngineClient, ok: Any, within: float) -> dict[str, Any]:
+async def wait_for_stats(c: AsyncEngineClient, ok: Any, within: float) -> EngineStats:
     """Poll stats until ok(stats); the bound is a correctness deadline (a hang fails), not a speed check."""
     deadline = time.monotonic() + within
     while True:
@@ -104,13 +104,13 @@ async def wait_for_stats(c: AsyncEngineClient, ok: Any, within: float) -> dict[s
         await asyncio.sleep(0.05)
 
 
-def idle(stats: dict[str, Any]) -> bool:
-    return stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
+def idle(stats: EngineStats) -> bool:
+    return stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_used == 0
 
 
-def idle_with_one_client(stats: dict[str, Any]) -> bool:
+def idle_with_one_client(stats: EngineStats) -> bool:
     """Idle, and the other client gone: the two need not happen in the same poll."""
-    return idle(stats) and stats["num_clients"] == 1
+    return idle(stats) and stats.num_clients == 1
 
 
 async def start_script(
@@ -161,7 +161,7 @@ async def test_concurrent_clients_match_offline_greedy(
         assert (res["text"], res["token_ids"]) == reference[prompt], prompt
     stats = await client.stats()
     assert idle(stats), stats
-    assert stats["generation_tokens_total"] >= sum(len(reference[p][1]) for p in PROMPTS)
+    assert stats.generation_tokens_total >= sum(len(reference[p][1]) for p in PROMPTS)
 
 
 async def test_streams_gather_tokens_but_never_hold_the_first(client: AsyncEngineClient, tiny_model: Path) -> None:
@@ -182,7 +182,7 @@ async def test_explicit_abort_stops_within_a_step_and_frees_blocks(client: Async
     stream = client.generate("Count forever:", LONG, request_id="explicit-abort")
     deltas = [await anext(stream), await anext(stream)]
     busy = await client.stats()
-    assert busy["num_running"] == 1 and busy["kv_blocks_used"] > 0
+    assert busy.num_running == 1 and busy.kv_blocks_used > 0
     await client.abort("explicit-abort")
     # The engine handles the abort before this stats call (one socket, in order): blocks are free already.
     assert idle(await client.stats())
@@ -195,7 +195,7 @@ async def test_explicit_abort_stops_within_a_step_and_frees_blocks(client: Async
 async def test_aclose_aborts(client: AsyncEngineClient) -> None:
     stream = client.generate("Count forever:", LONG)
     await anext(stream)
-    assert (await client.stats())["num_running"] == 1
+    assert (await client.stats()).num_running == 1
     await stream.aclose()
     assert idle(await client.stats())  # the abort was sent by aclose(), ahead of this call
 
@@ -272,12 +272,12 @@ async def test_second_client_attaches_to_the_same_engine(client: AsyncEngineClie
     try:
         assert second.engine_pid == client.engine_pid and not second.spawned_engine
         assert second.model_info == client.model_info
-        assert (await second.stats())["num_clients"] == 2
+        assert (await second.stats()).num_clients == 2
         deltas = await collect(second.generate("Hi", SamplingParams(temperature=0, max_tokens=4)))
         assert deltas[-1].finished
     finally:
         await second.close()
-    assert (await client.stats())["num_clients"] == 1  # the spawner's engine outlives the second client
+    assert (await client.stats()).num_clients == 1  # the spawner's engine outlives the second client
     assert client.log_path is not None
     loads = [
         line
@@ -319,11 +319,11 @@ async def test_killed_client_process_has_its_requests_aborted(client: AsyncEngin
     assert proc.stdout is not None
     assert json.loads(await asyncio.wait_for(proc.stdout.readline(), 30)) == {"streaming": 2}
     busy = await client.stats()
-    assert busy["num_running"] == 2 and busy["kv_blocks_used"] > 0 and busy["num_clients"] == 2
+    assert busy.num_running == 2 and busy.kv_blocks_used > 0 and busy.num_clients == 2
     proc.kill()
     await proc.wait()
     stats = await wait_for_stats(client, idle_with_one_client, within=ipc.CLIENT_TIMEOUT_S + 2)
-    assert idle(stats) and stats["num_clients"] == 1, stats
+    assert idle(stats) and stats.num_clients == 1, stats
 
 
 async def test_frozen_client_is_dropped_after_the_heartbeat_timeout(
@@ -335,9 +335,9 @@ async def test_frozen_client_is_dropped_after_the_heartbeat_timeout(
     proc.send_signal(signal.SIGSTOP)  # alive (its pid stays) but silent: only the heartbeat timeout finds it
     try:
         stopped = time.monotonic()
-        assert (await client.stats())["num_running"] == 1
+        assert (await client.stats()).num_running == 1
         stats = await wait_for_stats(client, idle_with_one_client, within=ipc.CLIENT_TIMEOUT_S + 3)
-        assert idle(stats) and stats["num_clients"] == 1, stats
+        assert idle(stats) and stats.num_clients == 1, stats
         assert time.monotonic() - stopped >= ipc.CLIENT_TIMEOUT_S - 1  # it was the timeout, not the pid check
     finally:
         proc.kill()
@@ -478,7 +478,7 @@ async def test_switch_model_reaches_every_client(tiny_model: Path, tiny_llama: P
         with pytest.raises(InvalidRequestError) as err:
             await first.switch_model(str(tiny_model.parent / "no-such-model"))
         assert err.value.param == "model"
-        assert (await first.stats())["num_running"] == 1  # a bad name ends nothing
+        assert (await first.stats()).num_running == 1  # a bad name ends nothing
 
         switch = asyncio.create_task(first.switch_model(str(tiny_llama)))
         while second.state != "loading":
@@ -531,7 +531,7 @@ async def test_engine_outlives_the_process_that_spawned_it(
         spawner.stdin.write(b"exit\n")
         assert await asyncio.wait_for(spawner.wait(), 30) == 0
         stats = await wait_for_stats(c, lambda s: s["num_clients"] == 1, within=ipc.CLIENT_TIMEOUT_S + 2)
-        assert stats["num_clients"] == 1 and stats["engine_pid"] == c.engine_pid
+        assert stats.num_clients == 1 and stats.engine_pid == c.engine_pid
         deltas = await collect(c.generate("Still here", SamplingParams(temperature=0, max_tokens=4)))
         assert deltas[-1].finish_reason == "length" and c.state == "ready"
         record = ipc.read_record(runtime)

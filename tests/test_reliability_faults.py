@@ -67,7 +67,7 @@ def test_engine_killed_under_load_gives_503s_then_the_server_recovers_by_itself(
     with ServedEngine(tmp_path_factory.mktemp("runtime"), engine) as served:
         probe = {"prompt": "The same question before and after the crash:", "max_tokens": 16, "temperature": 0}
         before = httpx.post(f"{served.url}/v1/completions", json=probe, timeout=60).json()
-        old_pid = served.stats()["engine_pid"]
+        old_pid = served.stats().engine_pid
 
         async def crowd() -> list[dict[str, Any]]:
             async with httpx.AsyncClient(base_url=served.url, timeout=RECOVERY_DEADLINE_S) as http:
@@ -104,7 +104,7 @@ def test_engine_killed_under_load_gives_503s_then_the_server_recovers_by_itself(
             time.sleep(0.2)
         assert seen_503 > 0  # a fresh engine takes seconds to start: the first request cannot have had one
         assert response.json()["choices"] == before["choices"]
-        assert served.handle.running and served.stats()["engine_pid"] != old_pid
+        assert served.handle.running and served.stats().engine_pid != old_pid
         stream = httpx.post(f"{served.url}/v1/completions", json={**probe, "stream": True}, timeout=60)
         assert stream.status_code == 200 and sse_data(stream.text.splitlines())[-1] == "[DONE]"
         assert idle(served.wait_until(idle, timeout=10))

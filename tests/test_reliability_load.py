@@ -105,8 +105,8 @@ def test_64_streaming_clients_with_hang_ups_under_preemption(served: ServedEngin
     asyncio.run(crowd())
     after = served.wait_until(idle, timeout=30)
     assert idle(after), after  # nothing running or queued, every block free (cached prefixes count as free)
-    assert after["num_running"] == after["num_waiting"] == 0 and after["kv_blocks_free"] == after["kv_blocks_total"]
-    assert after["num_preemptions"] > before["num_preemptions"], "the pool was meant to force preemption"
+    assert after.num_running == after.num_waiting == 0 and after.kv_blocks_free == after.kv_blocks_total
+    assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
 
     stayed = [c for c in clients if c.hang_up_after is None]
     assert 0 < len(stayed) < CLIENTS

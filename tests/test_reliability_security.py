@@ -237,4 +237,4 @@ def test_a_model_name_never_opens_a_file(
         assert card.status_code == 404, (name, card.text)
         assert SECRET not in card.text and "root:" not in card.text
     assert served.client.model_info == loaded  # nothing else was loaded behind everyone's back
-    assert served.stats()["model"] == loaded.name
+    assert served.stats().model == loaded.name

@@ -58,11 +58,11 @@ def test_32_concurrent_streams_match_solo_runs(served: ServedEngine, model: str)
         async with AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0) as client:
             return await asyncio.gather(*(stream(client, p) for p in PROMPTS))
 
-    before = served.stats()["prompt_tokens_total"]
+    before = served.stats().prompt_tokens_total
     results = asyncio.run(all_at_once())
     assert [r[0] for r in results] == solo
     assert all(r[1] == "length" and r[2] == 1 for r in results)
-    assert served.stats()["prompt_tokens_total"] > before  # really went through the engine again
+    assert served.stats().prompt_tokens_total > before  # really went through the engine again
     assert idle(served.wait_until(idle))
 
 
@@ -78,27 +78,27 @@ def test_n_choices_share_the_prompt_through_the_prefix_cache(served: ServedEngin
     assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 12
     assert out.usage.prompt_tokens == prompt_len  # counted once, as OpenAI does
     # The two later choices found every full block of the prompt in the cache.
-    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= 2 * full_blocks > 0
-    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] < prompt_len + 2 * block_size
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 2 * full_blocks > 0
+    assert after.prompt_tokens_total - before.prompt_tokens_total < prompt_len + 2 * block_size
 
 
 def test_disconnect_mid_stream_aborts_in_the_engine(served: ServedEngine, model: str) -> None:
-    before = served.stats()["generation_tokens_total"]
+    before = served.stats().generation_tokens_total
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": ENDLESS, "stream": True}
     with httpx.Client(timeout=30) as http, http.stream("POST", f"{served.url}/v1/completions", json=body) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(10)]
         assert all(line.startswith("data: ") or line == "" for line in got)
-        assert served.stats()["num_running"] == 1
+        assert served.stats().num_running == 1
     # The connection is closed: the request must be gone from the engine within a step or so.
     stats = served.wait_until(idle, timeout=5)
     assert idle(stats)
-    generated = stats["generation_tokens_total"] - before
+    generated = stats.generation_tokens_total - before
     assert generated < served.client.model_info.max_model_len // 2  # stopped long before the context's end
 
 
 def test_200_short_timeouts_abort_and_the_server_stays_responsive(served: ServedEngine, model: str) -> None:
-    before = served.stats()["generation_tokens_total"]
+    before = served.stats().generation_tokens_total
 
     async def impatient(client: AsyncOpenAI, i: int) -> BaseException | None:
         """Gives up after 1 s in all (httpx's timeouts are per read, and a stream keeps reading)."""
@@ -133,4 +133,4 @@ def test_200_short_timeouts_abort_and_the_server_stays_responsive(served: Served
     stats = served.wait_until(idle, timeout=10)
     assert idle(stats)
     # Every request was aborted: nowhere near 200 full contexts were generated.
-    assert stats["generation_tokens_total"] - before < 200 * 200
+    assert stats.generation_tokens_total - before < 200 * 200

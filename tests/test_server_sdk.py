@@ -105,6 +105,13 @@ def test_health_needs_no_key_and_metrics_do(served: ServedEngine) -> None:
         "chatapp_generation_tokens_total",
     ):
         assert f"# TYPE {name} " in metrics and f'{name}{{model="SmolLM2-135M-Instruct"}} ' in metrics
+    # Every EngineStats counter is exported, each said in its unit (the prefix cache counts tokens).
+    stats = served.stats()
+    from chatapp.server.routes.ops import _METRICS
+
+    for field, name, _kind, help_text in _METRICS:
+        assert hasattr(stats, field) and f"# HELP {name} {help_text}" in metrics
+    assert "# HELP chatapp_prefix_cache_queries_total Prompt tokens looked up." in metrics
 
 
 def test_openapi_document_lists_the_endpoints(served: ServedEngine) -> None:

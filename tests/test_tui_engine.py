@@ -115,7 +115,7 @@ async def test_escape_stops_a_real_stream(keeper: Any, reference: dict[str, str]
         common = min(len(shown), len(expected))
         assert shown and shown[:common] == expected[:common]  # the same greedy text, cut short
         stats = await keeper.stats()
-        assert stats["num_running"] == 0  # the abort reached the engine
+        assert stats.num_running == 0  # the abort reached the engine
         await app.action_quit()
 
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatapp.engine.api import EngineDeadError, ModelInfo
+from chatapp.engine.api import EngineDeadError, EngineStats, ModelInfo
 from chatapp.engine.output_processor import OutputDelta
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.tui.model_catalog import HubEntry, LocalEntry, Progress, PullSize
@@ -48,16 +48,25 @@ class FakeClient:
     model_info: ModelInfo = INFO
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
-    stats_value: dict[str, Any] = field(
-        default_factory=lambda: {
-            "num_running": 0,
-            "num_waiting": 0,
-            "kv_blocks_used": 64,
-            "kv_blocks_free": 192,
-            "kv_blocks_total": 256,
-            "prefix_cache_hit_rate": 0.5,
-            "generation_tokens_per_second": 0.0,
-        }
+    stats_value: EngineStats = field(
+        default_factory=lambda: EngineStats(
+            model="fake",
+            device="cpu",
+            kv_blocks_total=256,
+            kv_blocks_free=192,
+            kv_blocks_used=64,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            prefix_cache_hit_rate=0.5,
+            num_preemptions=0,
+            num_running=0,
+            num_waiting=0,
+            prompt_tokens_total=0,
+            generation_tokens_total=0,
+            generation_tokens_per_second=0.0,
+            forward_seconds_total=0.0,
+            step_seconds_total=0.0,
+        )
     )
     restarts: int = 0
     switched_to: list[str | None] = field(default_factory=list)
@@ -95,10 +104,10 @@ class FakeClient:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EngineStats:
         if self.state == "dead":
             raise EngineDeadError("the fake engine is dead")
-        return dict(self.stats_value)
+        return self.stats_value
 
     async def embed(self, inputs: list[Any]) -> list[list[float]]:
         return [[0.0] for _ in inputs]

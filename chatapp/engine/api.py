@@ -42,6 +42,36 @@ class InvalidRequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters: GET /metrics, the TUI's status bar and tests read these fields.
+
+    Prefix-cache figures count tokens (as vLLM's do): ``prefix_cache_queries`` prompt tokens were
+    looked up, ``prefix_cache_hits`` of them found. The last three come from the engine process
+    (zero from the in-process ``LLM``).
+    """
+
+    model: str
+    device: str
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_used: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    generation_tokens_per_second: float  # over the last seconds of work
+    forward_seconds_total: float  # the model's forward and LM head
+    step_seconds_total: float  # whole engine steps
+    num_clients: int = 0
+    busy_loop_seconds_total: float = 0.0  # the engine loop while it had work: steps, IPC, housekeeping
+    engine_pid: int = 0
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str  # the id clients show and the server reports
     path: str
@@ -84,10 +114,8 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort"."""
 
-    async def stats(self) -> dict[str, Any]:
-        """The engine's counters: num_running, num_waiting, kv_blocks_used/free/total,
-        prefix_cache_hit_rate (and queries/hits), num_preemptions, prompt/generation token
-        totals, generation_tokens_per_second of recent steps."""
+    async def stats(self) -> EngineStats:
+        """The engine's counters (see EngineStats)."""
 
     async def embed(self, inputs: list[str | list[int]]) -> list[list[float]]:
         """Mean-pooled, L2-normalised final hidden states of each input."""

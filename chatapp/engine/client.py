@@ -61,6 +61,7 @@ from chatapp.engine.api import (
     EngineBusyError,
     EngineDeadError,
     EngineError,
+    EngineStats,
     InvalidRequestError,
     ModelInfo,
     context_length_error,
@@ -330,9 +331,9 @@ class AsyncEngineClient:
         if request_id in self._streams and self.state in ("ready", "loading"):
             self._send(ipc.AbortRequests([request_id]))
 
-    async def stats(self) -> dict[str, Any]:
-        """The engine core's counters, plus num_clients and engine_pid."""
-        return await self._call(lambda cid: ipc.StatsCall(cid))
+    async def stats(self) -> EngineStats:
+        """The engine's counters (EngineStats), num_clients and engine_pid included."""
+        return msgspec.convert(await self._call(lambda cid: ipc.StatsCall(cid)), EngineStats)
 
     async def embed(self, inputs: list[str | list[int]]) -> list[list[float]]:
         """Mean-pooled, L2-normalised final hidden states of each input (tokenized here)."""

@@ -11,7 +11,7 @@ import logging
 import time
 from collections import deque
 
-from chatapp.engine.api import EngineBusyError, context_length_error  # noqa: F401  (re-exported)
+from chatapp.engine.api import EngineBusyError, EngineStats, context_length_error  # noqa: F401  (re-exported)
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_ref import ModelRef, resolve_model_spec
@@ -174,25 +174,25 @@ class EngineCore:
 
     # -- introspection ------------------------------------------------------
 
-    def stats(self) -> dict[str, float | int | str]:
+    def stats(self) -> EngineStats:
         kv = self.kv
         recent = [r for r in self._recent if time.monotonic() - r[0] < 10.0]
         busy = sum(r[2] for r in recent)
-        return {
-            "model": self.model.name,
-            "device": self.config.device,
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_free": kv.num_free_blocks,
-            "kv_blocks_used": kv.num_blocks - kv.num_free_blocks,
-            "prefix_cache_queries": kv.stats.queries,
-            "prefix_cache_hits": kv.stats.hits,
-            "prefix_cache_hit_rate": kv.stats.hit_rate,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-            "generation_tokens_per_second": sum(r[1] for r in recent) / busy if busy else 0.0,
-            "forward_seconds_total": self.forward_seconds_total,
-            "step_seconds_total": self.step_seconds_total,
-        }
+        return EngineStats(
+            model=self.model.name,
+            device=self.config.device,
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            prefix_cache_hit_rate=kv.stats.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            generation_tokens_per_second=sum(r[1] for r in recent) / busy if busy else 0.0,
+            forward_seconds_total=self.forward_seconds_total,
+            step_seconds_total=self.step_seconds_total,
+        )

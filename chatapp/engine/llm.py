@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from chatapp.engine.api import EngineStats
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
 from chatapp.engine.output_processor import OutputProcessor
@@ -55,7 +56,7 @@ class LLM:
         items = [(None, self.tokenizer.render_chat(list(c))) for c in conversations]
         return self._run(items, params)
 
-    def stats(self) -> dict[str, float | int | str]:
+    def stats(self) -> EngineStats:
         return self.core.stats()
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -34,7 +34,7 @@ import psutil
 import zmq
 
 from chatapp.engine import ipc
-from chatapp.engine.api import EngineBusyError, ModelInfo
+from chatapp.engine.api import EngineBusyError, EngineStats, ModelInfo
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
 from chatapp.engine.outputs import EngineCoreOutput
@@ -349,12 +349,13 @@ class EngineServer:
             raise EngineBusyError(f"the engine is {self.state} ({self.detail}); retry when it is ready")
         return self.core
 
-    def _stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = dict(self._ready_core().stats())
-        stats["num_clients"] = len(self.clients)
-        stats["busy_loop_seconds_total"] = self.busy_loop_seconds
-        stats["engine_pid"] = os.getpid()
-        return stats
+    def _stats(self) -> EngineStats:
+        return dataclasses.replace(
+            self._ready_core().stats(),
+            num_clients=len(self.clients),
+            busy_loop_seconds_total=self.busy_loop_seconds,
+            engine_pid=os.getpid(),
+        )
 
     def _send(self, identity: bytes, msg: Any) -> None:
         try:

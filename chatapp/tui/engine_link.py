@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chatapp.engine.api import EngineClient, EngineDeadError, EngineError
+from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +159,18 @@ class LocalEngine:
         if self._state == "dead":
             self._last = EngineSnapshot("dead", model, device, detail=self._error)
             return self._last
+        stats: EngineStats | None = None
         try:
-            stats = await client.stats() if self._state == "ready" else {}
+            stats = await client.stats() if self._state == "ready" else None
         except EngineDeadError as exc:
             self._fail(str(exc) or "the engine process died")
             self._last = EngineSnapshot("dead", model, device, detail=self._error)
             return self._last
         except EngineError:
-            stats = {}
-        total = stats.get("kv_blocks_total") or 0
-        used = stats.get("kv_blocks_used")
-        running = int(stats.get("num_running", 0) or 0)
+            pass
+        total = stats.kv_blocks_total if stats else 0
+        used = stats.kv_blocks_used if stats else None
+        running = stats.num_running if stats else 0
         state = "busy" if self._state == "ready" and running else self._state
         loading = state in ("starting", "loading")
         self._last = EngineSnapshot(
@@ -178,7 +179,7 @@ class LocalEngine:
             device,
             progress if loading else None,
             (used / total) if total and used is not None else None,
-            stats.get("prefix_cache_hit_rate"),
+            stats.prefix_cache_hit_rate if stats else None,
             running,
             detail if loading else None,
         )

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from chatapp.engine.api import EngineBusyError, EngineDeadError
+from chatapp.engine.api import EngineBusyError, EngineDeadError, EngineStats
 from chatapp.server.errors import RETRY_AFTER_SECONDS
 from chatapp.server.state import ServerState, get_state
 
 health_router = APIRouter()
 metrics_router = APIRouter()
 
-# (stats key, metric name, type, help)
+# (EngineStats field, metric name, type, help)
 _METRICS = [
     ("num_running", "chatapp_requests_running", "gauge", "Requests being generated now."),
     ("num_waiting", "chatapp_requests_waiting", "gauge", "Requests queued for a place in the batch."),
@@ -24,10 +22,10 @@ _METRICS = [
         "prefix_cache_hit_rate",
         "chatapp_prefix_cache_hit_rate",
         "gauge",
-        "Share of prompt blocks found in the prefix cache.",
+        "Share of prompt tokens found in the prefix cache.",
     ),
-    ("prefix_cache_queries", "chatapp_prefix_cache_queries_total", "counter", "Prompt blocks looked up."),
-    ("prefix_cache_hits", "chatapp_prefix_cache_hits_total", "counter", "Prompt blocks found in the cache."),
+    ("prefix_cache_queries", "chatapp_prefix_cache_queries_total", "counter", "Prompt tokens looked up."),
+    ("prefix_cache_hits", "chatapp_prefix_cache_hits_total", "counter", "Prompt tokens found in the cache."),
     ("num_preemptions", "chatapp_preemptions_total", "counter", "Requests preempted to free KV blocks."),
     ("prompt_tokens_total", "chatapp_prompt_tokens_total", "counter", "Prompt tokens processed."),
     ("generation_tokens_total", "chatapp_generation_tokens_total", "counter", "Tokens generated."),
@@ -58,7 +56,7 @@ _METRICS = [
 ]
 
 
-async def _engine_stats(state: ServerState) -> tuple[str, dict[str, Any] | None]:
+async def _engine_stats(state: ServerState) -> tuple[str, EngineStats | None]:
     """(phase, stats): asks the engine itself, so a dead engine is noticed (and restarted) here too."""
     phase = state.phase
     if phase == "dead":
@@ -98,7 +96,8 @@ async def metrics(state: ServerState = Depends(get_state)) -> PlainTextResponse:
         f"chatapp_engine_ready{labels} {int(phase == 'ready')}",
     ]
     for key, name, kind, help_text in _METRICS:
-        if stats is None or key not in stats:
+        if stats is None:
             continue
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(stats[key])!r}"]
+        value = float(getattr(stats, key))
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {value!r}"]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
