@@ -9,6 +9,7 @@ engine loop handles token ids only.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,6 +40,14 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ErrorKind(enum.StrEnum):
+    """What kind of failure an engine reply or a failed load reports, so a client raises the right error."""
+
+    BUSY = "busy"  # retry later: EngineBusyError
+    INVALID = "invalid"  # the request or model spec can never work: InvalidRequestError
+    INTERNAL = "internal"  # the engine failed: EngineError
 
 
 @dataclass(frozen=True)

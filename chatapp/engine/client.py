@@ -62,12 +62,14 @@ from chatapp.engine.api import (
     EngineDeadError,
     EngineError,
     EngineStats,
+    ErrorKind,
     InvalidRequestError,
     ModelInfo,
     context_length_error,
 )
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.output_processor import OutputDelta, OutputProcessor
+from chatapp.engine.outputs import FinishReason
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.engine.tokenizer import ChatFormatError, Tokenizer
 
@@ -425,9 +427,9 @@ class AsyncEngineClient:
             self._calls.pop(call_id, None)
         if reply.error is None:
             return reply.result
-        if reply.error_kind == "busy":
+        if reply.error_kind == ErrorKind.BUSY:
             raise EngineBusyError(reply.error)
-        if reply.error_kind == "invalid":
+        if reply.error_kind == ErrorKind.INVALID:
             raise InvalidRequestError(reply.error, invalid_param)
         raise EngineError(reply.error)
 
@@ -615,9 +617,9 @@ class AsyncEngineClient:
                     self._die(EngineDeadError(f"the engine shut down: {msg.reason}"))
                     return
 
-    def _die_failed(self, detail: str, error_kind: str | None) -> None:
+    def _die_failed(self, detail: str, error_kind: ErrorKind | None) -> None:
         """The engine could not load its model and exits: a bad model spec is the caller's error."""
-        error = InvalidRequestError(detail, "model") if error_kind == "invalid" else EngineDeadError(detail)
+        error = InvalidRequestError(detail, "model") if error_kind == ErrorKind.INVALID else EngineDeadError(detail)
         self._die(error)
 
     def _on_outputs(self, msg: ipc.Outputs) -> None:
@@ -640,7 +642,7 @@ class AsyncEngineClient:
                             [],
                             None,
                             True,
-                            "error",
+                            FinishReason.ERROR,
                             None,
                             0,
                             0,

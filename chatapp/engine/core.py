@@ -18,7 +18,7 @@ from chatapp.engine.model_ref import ModelRef, resolve_model_spec
 from chatapp.engine.model_runner import ModelRunner
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.source import open_model
-from chatapp.engine.outputs import EngineCoreOutput
+from chatapp.engine.outputs import EngineCoreOutput, FinishReason
 from chatapp.engine.request import Request, RequestStatus
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.engine.scheduler import ScheduledBatch, Scheduler
@@ -71,7 +71,9 @@ class EngineCore:
         error = self._validate(request_id, prompt_token_ids, params)
         if error is not None:
             self._pending.append(
-                EngineCoreOutput(request_id, [], "error", num_prompt_tokens=len(prompt_token_ids), error=error)
+                EngineCoreOutput(
+                    request_id, [], FinishReason.ERROR, num_prompt_tokens=len(prompt_token_ids), error=error
+                )
             )
             return
         req = Request(
@@ -107,7 +109,7 @@ class EngineCore:
                 EngineCoreOutput(
                     request_id,
                     [],
-                    "abort",
+                    FinishReason.ABORT,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=req.num_cached_tokens,
                 )

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import psutil
 
-from chatapp.engine.api import ModelInfo
+from chatapp.engine.api import ErrorKind, ModelInfo
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.outputs import EngineCoreOutput
 from chatapp.engine.sampling_params import SamplingParams
@@ -94,7 +94,7 @@ class Welcome(msgspec.Struct, tag=True):
     state: str  # "loading", "ready" or "failed" (then the engine exits)
     detail: str
     info: ModelInfo | None
-    error_kind: str | None = None  # as in StateUpdate
+    error_kind: ErrorKind | None = None  # as in StateUpdate
 
 
 class StateUpdate(msgspec.Struct, tag=True):
@@ -103,7 +103,7 @@ class StateUpdate(msgspec.Struct, tag=True):
     state: str  # "loading", "ready" or "failed"
     detail: str
     info: ModelInfo | None = None
-    error_kind: str | None = None  # for "failed": "invalid" (bad model spec) or "internal"
+    error_kind: ErrorKind | None = None  # for "failed": INVALID (a bad model spec) or INTERNAL
 
 
 class Outputs(msgspec.Struct, tag=True):
@@ -114,7 +114,7 @@ class Reply(msgspec.Struct, tag=True):
     call_id: int
     result: Any = None
     error: str | None = None
-    error_kind: str | None = None  # "busy", "invalid" or "internal"
+    error_kind: ErrorKind | None = None
 
 
 class ByeAck(msgspec.Struct, tag=True):

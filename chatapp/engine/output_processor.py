@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from chatapp.engine.detokenizer import IncrementalDetokenizer
-from chatapp.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
+from chatapp.engine.outputs import CompletionOutput, EngineCoreOutput, FinishReason, RequestOutput, TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.engine.tokenizer import Tokenizer
 
@@ -25,7 +25,7 @@ class OutputDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: str | int | None
     num_prompt_tokens: int
     num_output_tokens: int
@@ -88,9 +88,9 @@ class OutputProcessor:
             if state.detok.stop_reason is not None:
                 if not finished:
                     to_abort.append(out.request_id)
-                finished, finish_reason, stop_reason = True, "stop", state.detok.stop_reason
+                finished, finish_reason, stop_reason = True, FinishReason.STOP, state.detok.stop_reason
             elif (
-                finish_reason == "stop"
+                finish_reason == FinishReason.STOP
                 and state.token_ids
                 and state.token_ids[-1] in (state.params.stop_token_ids or ())
             ):
@@ -115,10 +115,10 @@ class OutputProcessor:
         return deltas, to_abort
 
     def _finish(
-        self, state: _RequestState, finish_reason: str | None, stop_reason: str | int | None, error: str | None
+        self, state: _RequestState, finish_reason: FinishReason | None, stop_reason: str | int | None, error: str | None
     ) -> None:
         del self._states[state.request_id]
-        if finish_reason in ("stop", "length"):
+        if finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.tokenizer.remember_output(state.detok.text, state.token_ids)
         now = time.monotonic()
         metrics = {"latency_s": now - state.arrival}

@@ -6,9 +6,19 @@ Core outputs are msgspec structs so the engine process can ship them cheaply;
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended: the OpenAI API's words, plus "abort" (the client stopped it) and "error"."""
+
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens or the context ran out
+    ABORT = "abort"
+    ERROR = "error"  # the request failed (its ``error`` says why); others went on
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -23,7 +33,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    finish_reason: FinishReason | None = None
     new_logprobs: list[TokenLogprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

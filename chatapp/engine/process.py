@@ -34,10 +34,10 @@ import psutil
 import zmq
 
 from chatapp.engine import ipc
-from chatapp.engine.api import EngineBusyError, EngineStats, ModelInfo
+from chatapp.engine.api import EngineBusyError, EngineStats, ErrorKind, ModelInfo
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
-from chatapp.engine.outputs import EngineCoreOutput
+from chatapp.engine.outputs import EngineCoreOutput, FinishReason
 from chatapp.engine.stream_buffer import StreamBuffer
 from chatapp.engine.tokenizer import prepare_tokenizer_files
 
@@ -142,7 +142,7 @@ class EngineServer:
         self.loader: _Loader | None = None
         self.state = "loading"  # then "ready", or "failed" when no model could be loaded
         self.detail = "starting"
-        self.failed_kind: str | None = None
+        self.failed_kind: ErrorKind | None = None
         self._sent_detail = ""
         self._previous_config: EngineConfig | None = None  # to fall back to when a switch fails
         self._switch_reply: tuple[bytes, int] | None = None
@@ -330,19 +330,23 @@ class EngineServer:
                 client.requests.discard(rid)
                 log.warning("rejected request %s: %s", rid, exc)
                 error = f"invalid request: {exc}"
-        out = EngineCoreOutput(msg.request_id, [], "error", num_prompt_tokens=len(msg.prompt_token_ids), error=error)
+        out = EngineCoreOutput(
+            msg.request_id, [], FinishReason.ERROR, num_prompt_tokens=len(msg.prompt_token_ids), error=error
+        )
         self._send(client.identity, ipc.Outputs([out]))
 
     def _call(self, identity: bytes, call_id: int, fn: Any) -> None:
         try:
             self._send(identity, ipc.Reply(call_id, result=fn()))
         except EngineBusyError as exc:
-            self._send(identity, ipc.Reply(call_id, error=str(exc), error_kind="busy"))
+            self._send(identity, ipc.Reply(call_id, error=str(exc), error_kind=ErrorKind.BUSY))
         except ValueError as exc:
-            self._send(identity, ipc.Reply(call_id, error=str(exc), error_kind="invalid"))
+            self._send(identity, ipc.Reply(call_id, error=str(exc), error_kind=ErrorKind.INVALID))
         except Exception as exc:
             log.exception("call %d failed", call_id)
-            self._send(identity, ipc.Reply(call_id, error=f"{type(exc).__name__}: {exc}", error_kind="internal"))
+            self._send(
+                identity, ipc.Reply(call_id, error=f"{type(exc).__name__}: {exc}", error_kind=ErrorKind.INTERNAL)
+            )
 
     def _ready_core(self) -> EngineCore:
         if self.core is None:
@@ -380,7 +384,7 @@ class EngineServer:
 
     def _fail_all(self, error: str) -> list[EngineCoreOutput]:
         """End every known request with an error, whatever state the core was left in."""
-        outputs = [EngineCoreOutput(rid, [], "error", error=error) for rid in self.owner]
+        outputs = [EngineCoreOutput(rid, [], FinishReason.ERROR, error=error) for rid in self.owner]
         if self.core is not None:
             try:
                 self.core.abort(list(self.owner))
@@ -456,7 +460,7 @@ class EngineServer:
             self._previous_config = None
             return
         error = f"{type(loader.error).__name__}: {loader.error}"
-        kind = "invalid" if isinstance(loader.error, ValueError) else "internal"
+        kind = ErrorKind.INVALID if isinstance(loader.error, ValueError) else ErrorKind.INTERNAL
         if self._switch_reply is not None:
             identity, call_id = self._switch_reply
             self._send(identity, ipc.Reply(call_id, error=f"could not load the model: {error}", error_kind=kind))
@@ -473,13 +477,15 @@ class EngineServer:
         if self.core is None:
             self._send(
                 identity,
-                ipc.Reply(msg.call_id, error="the engine is loading a model already; retry later", error_kind="busy"),
+                ipc.Reply(
+                    msg.call_id, error="the engine is loading a model already; retry later", error_kind=ErrorKind.BUSY
+                ),
             )
             return
         try:
             _precheck_model(msg.model)
         except ValueError as exc:
-            self._send(identity, ipc.Reply(msg.call_id, error=str(exc), error_kind="invalid"))
+            self._send(identity, ipc.Reply(msg.call_id, error=str(exc), error_kind=ErrorKind.INVALID))
             return
         log.info("switching model to %s", msg.model or "the bundled model")
         self._route(self._fail_all(f"the engine is switching to model {msg.model or 'default'}"))

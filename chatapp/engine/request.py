@@ -14,6 +14,7 @@ from array import array
 
 import torch
 
+from chatapp.engine.outputs import FinishReason
 from chatapp.engine.sampling_params import SamplingParams
 
 
@@ -28,7 +29,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """The reason a finished status reports (ValueError for a status that has not finished)."""
+        return FinishReason(self.value)
 
 
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:

@@ -166,7 +166,7 @@ class Scheduler:
                 out.new_logprobs = [logprobs[i]]
             if status is not None:
                 self.finish(req, status)
-                out.finish_reason = status.value
+                out.finish_reason = status.finish_reason
             outputs.append(out)
         return StepUpdate(outputs, num_prompt_tokens)
 

@@ -21,7 +21,7 @@ from fastapi import Request
 
 from chatapp.engine.api import EngineClient, context_length_error
 from chatapp.engine.output_processor import OutputDelta
-from chatapp.engine.outputs import TokenLogprobs
+from chatapp.engine.outputs import FinishReason, TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.server.errors import APIError, ClientGone, EngineFailure, bad_request, sampling_error
 from chatapp.server.schemas import SamplingFields
@@ -253,9 +253,9 @@ async def first_delta(request: Request, streams: ChoiceStreams) -> tuple[int, Ou
 
 
 def check_finish(delta: OutputDelta) -> None:
-    if delta.finish_reason == "error":
+    if delta.finish_reason == FinishReason.ERROR:
         raise EngineFailure(delta.error or "the engine failed this request")
-    if delta.finish_reason == "abort":
+    if delta.finish_reason == FinishReason.ABORT:
         raise EngineFailure("the request was aborted in the engine")
 
 
