@@ -93,3 +93,21 @@ def test_a_missing_model_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         LLM(str(tmp_path / "empty"))
+
+
+def test_config_is_resolved_once_and_never_changed_after(tiny_llama: Path) -> None:
+    """The user's config is frozen; the engine's is resolved from it once, with what loading decided."""
+    import dataclasses
+
+    from chatapp.engine.config import EngineConfig
+
+    asked = EngineConfig(model=str(tiny_llama), quantization="auto", kv_cache_memory_gib=0.01)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        asked.max_model_len = 1  # type: ignore[misc]
+    llm = LLM(str(tiny_llama), quantization="auto", kv_cache_memory_gib=0.01)
+    runner = llm.core.runner
+    assert runner.config.quantization == "auto" and runner.quantization == "int8"  # the runner's own record
+    final = llm.config
+    assert final.resolved and final.quantization == "int8" and final.num_kv_blocks == runner.num_blocks
+    assert final.max_model_len == min(2048, runner.num_blocks * final.block_size)
+    assert None not in (final.max_num_seqs, final.max_num_batched_tokens, final.long_prefill_token_threshold)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -29,9 +30,14 @@ _DTYPES = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to know; ``None`` means "choose for me"."""
+    """Everything the engine needs to know; ``None`` means "choose for me".
+
+    Frozen: :meth:`finalize` resolves a copy once, before the model runner is built, and EngineCore
+    folds in, in one place, what only loading the weights can tell (the quantization "auto" chose,
+    the KV pool's size and the context it allows). Nothing else changes a config.
+    """
 
     model: str | None = None
     """A name from the model store, a model directory or a GGUF file; None is the bundled model."""
@@ -111,7 +117,7 @@ class EngineConfig:
 
     def finalize(self, *, checkpoint_dtype: torch.dtype | None, model_max_len: int) -> EngineConfig:
         """Return a copy with every "auto"/None field chosen from the model and machine."""
-        cfg = dataclasses.replace(self)
+        cfg = SimpleNamespace(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         cfg.device = _resolve_device(cfg.device)
         cfg.dtype = _resolve_dtype(cfg.dtype, cfg.device, checkpoint_dtype)
         cfg.attention_backend = _resolve_backend(cfg.attention_backend, cfg.device)
@@ -144,7 +150,7 @@ class EngineConfig:
             if getattr(cfg, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
         cfg.resolved = True
-        return cfg
+        return EngineConfig(**vars(cfg))
 
 
 def _resolve_device(device: str) -> str:

@@ -7,6 +7,7 @@ background engine process drives this same object.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -37,8 +38,14 @@ class EngineCore:
         mc = self.model_config
         config = config.finalize(checkpoint_dtype=mc.checkpoint_dtype, model_max_len=mc.max_position_embeddings)
         self.runner = ModelRunner(config, source)
-        # A request must always fit the pool on its own, so cap the context at the pool's size.
-        config.max_model_len = min(config.max_model_len, self.runner.num_blocks * config.block_size)
+        # The runner's decisions, folded in once: the quantization it applied (for "auto"), the pool it
+        # sized, and the context capped at the pool (a request must always fit the pool on its own).
+        config = dataclasses.replace(
+            config,
+            quantization=self.runner.quantization,
+            num_kv_blocks=self.runner.num_blocks,
+            max_model_len=min(config.max_model_len, self.runner.num_blocks * config.block_size),
+        )
         self.config = config
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)

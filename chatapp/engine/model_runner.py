@@ -77,7 +77,8 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        self.config = config
+        self.config = config  # resolved and frozen; what this runner decides is on the runner itself
+        self.quantization: str | None = config.quantization  # "auto" becomes what was applied
         self.mc = source.config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
@@ -98,7 +99,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             self.num_blocks = self._choose_num_blocks()
         self.sampler = Sampler()
-        if config.quantization != "gguf":
+        if self.quantization != "gguf":
             self._quantize(ext, source.path)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
         self.cpu_forward = self._build_cpu_forward(ext)
@@ -131,33 +132,33 @@ class ModelRunner:
         from chatapp.engine.models.gguf_loader import load_gguf_float, load_gguf_native
 
         if self._native_gguf(source, ext):
-            cfg.quantization = "gguf"
+            self.quantization = "gguf"
             return load_gguf_native(source.gguf, self.mc, cfg.max_model_len, ext)
-        if cfg.quantization == "gguf":
+        if self.quantization == "gguf":
             log.warning("the GGUF file's own types need our AVX-512 VNNI kernels; de-quantising to float32")
-            cfg.quantization = None
+            self.quantization = None
         return load_gguf_float(source.gguf, self.mc, self.dtype, self.device, cfg.max_model_len)
 
     def _quantize(self, ext, model_dir: Path) -> None:
-        """Apply config.quantization, resolving "auto" to what was applied (int4, int8 or None)."""
+        """Apply the asked quantization, recording in self.quantization what was applied (int4, int8 or None)."""
         from chatapp.engine.block_quant import BLOCK, quantize_blocks
 
-        cfg, start = self.config, time.perf_counter()
-        if cfg.quantization == "auto":
+        start = time.perf_counter()
+        if self.quantization == "auto":
             fast_blocks = ext is not None and ext.block_quant_fast()
             lossless = fast_blocks and quantize_blocks(self.model, ext, lossless_only=True)
-            cfg.quantization = "int4" if lossless else "int8"
+            self.quantization = "int4" if lossless else "int8"
             if lossless:
                 log.info("weights are 4/8-bit blocks already: kept as they are (int4)")
-        elif cfg.quantization == "int4" and not quantize_blocks(self.model, ext, lossless_only=False):
+        elif self.quantization == "int4" and not quantize_blocks(self.model, ext, lossless_only=False):
             log.warning("int4 needs layer widths divisible by %d; using int8", BLOCK)
-            cfg.quantization = "int8"
-        if cfg.quantization == "int8":
+            self.quantization = "int8"
+        if self.quantization == "int8":
             from chatapp.engine.quantization import quantize_int8
 
             quantize_int8(self.model, lambda: self._calibrate(model_dir))
-        if cfg.quantization:
-            log.info("quantized linear layers (%s) in %.2f s", cfg.quantization, time.perf_counter() - start)
+        if self.quantization:
+            log.info("quantized linear layers (%s) in %.2f s", self.quantization, time.perf_counter() - start)
 
     def bytes_per_block(self) -> int:
         mc = self.mc
