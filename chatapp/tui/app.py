@@ -123,7 +123,7 @@ class ChatApp(App[None]):
             self.notify(f"Unknown theme {self.settings.theme!r}; using the default.", severity="warning")
         self._apply_keymap()
         self._open_history()
-        self.push_screen(MainScreen(self._load_sessions()))
+        self.push_screen(MainScreen(self, self._load_sessions()))
         self._start_engine()
         self.set_interval(POLL_S, self._poll_engine)
         self.call_after_refresh(self._poll_engine)
@@ -313,7 +313,7 @@ class ChatApp(App[None]):
     async def action_sessions(self) -> None:
         if isinstance(self.screen, SessionsScreen):
             return
-        session_id = await self.push_screen_wait(SessionsScreen())
+        session_id = await self.push_screen_wait(SessionsScreen(self))
         if session_id is not None:
             await self.show_session(session_id)
 
@@ -340,7 +340,7 @@ class ChatApp(App[None]):
 
     def action_models(self) -> None:
         if not isinstance(self.screen, ModelScreen):
-            self.push_screen(ModelScreen())
+            self.push_screen(ModelScreen(self))
 
     @work(group="server", exclusive=True, exit_on_error=False)
     async def action_toggle_server(self) -> None:

@@ -1,12 +1,21 @@
-"""What panes and screens need from the app, as a Protocol (so widgets do not import the App class)."""
+"""What panes and screens need from the app, as Protocols: widgets and screens do not import the App
+class, and the app hands each screen its services when it builds it (tests may hand fakes)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from chatapp.engine.api import EngineClient
 from chatapp.tui.recorder import Recorder
 from chatapp.tui.session_config import SessionConfig
+
+if TYPE_CHECKING:
+    from chatapp.history import HistoryStore
+    from chatapp.settings import Settings
+    from chatapp.tui.downloads import PullJob
+    from chatapp.tui.engine_link import LocalEngine
+    from chatapp.tui.model_catalog import ModelCatalog
 
 
 class ChatServices(Protocol):
@@ -20,3 +29,43 @@ class ChatServices(Protocol):
 
     def local_model_name(self) -> str | None:
         """The model the local engine runs (None until known)."""
+
+
+class MainScreenServices(ChatServices, Protocol):
+    """The session panes' screen: new sessions, export, settings, and what the panes need."""
+
+    settings: Settings
+
+    def create_session_config(self) -> SessionConfig:
+        """A new session's settings (numbered title, default model and sampling)."""
+
+    def export_session(self, config: SessionConfig) -> list[Path]:
+        """Write a session to Markdown and JSON files; the paths written."""
+
+
+class SessionsScreenServices(Protocol):
+    """The saved-sessions list."""
+
+    store: HistoryStore | None
+
+    def export_by_id(self, session_id: int) -> list[Path]:
+        """Export a saved session by its id; the paths written."""
+
+
+class ModelScreenServices(Protocol):
+    """The models screen: the catalog, downloads and the local engine's model."""
+
+    catalog: ModelCatalog
+    engine: LocalEngine
+
+    def local_model_name(self) -> str | None:
+        """The model the local engine runs (None until known)."""
+
+    async def switch_model(self, name: str) -> None:
+        """Load another model in the local engine."""
+
+    def latest_pull(self) -> PullJob | None:
+        """The most recent download, running or ended."""
+
+    def start_pull(self, spec: str) -> PullJob | None:
+        """Start downloading ``spec`` (None when one already runs)."""

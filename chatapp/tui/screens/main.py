@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -24,7 +24,7 @@ from chatapp.tui.widgets.chat_pane import ChatPane
 from chatapp.tui.widgets.status_bar import StatusBar
 
 if TYPE_CHECKING:
-    from chatapp.tui.app import ChatApp
+    from chatapp.tui.services import MainScreenServices
 
 MIN_PANE_WIDTH = 40
 """Columns a pane needs; the screen shows as many panes side by side as fit, and tabs for all."""
@@ -40,20 +40,17 @@ class MainScreen(Screen[None]):
     active: reactive[int] = reactive(0, init=False)
     """Index of the focused pane."""
 
-    def __init__(self, sessions: list[tuple[SessionConfig, Conversation]]) -> None:
+    def __init__(self, services: MainScreenServices, sessions: list[tuple[SessionConfig, Conversation]]) -> None:
         super().__init__()
+        self.services = services
         self._initial = sessions
         self._first_visible = 0
-
-    @property
-    def chat_app(self) -> ChatApp:
-        return cast("ChatApp", self.app)
 
     def compose(self) -> ComposeResult:
         yield Tabs(id="session-tabs")
         with Horizontal(id="panes"):
             for config, conversation in self._initial:
-                yield ChatPane(config, conversation, id=f"pane-{next(_pane_ids)}")
+                yield ChatPane(self.services, config, conversation, id=f"pane-{next(_pane_ids)}")
         yield StatusBar(id="status-bar")
 
     async def on_mount(self) -> None:
@@ -147,7 +144,7 @@ class MainScreen(Screen[None]):
         bar.session_rate = pane.rate if pane is not None else None
 
     async def add_pane(self, config: SessionConfig, conversation: Conversation) -> ChatPane:
-        pane = ChatPane(config, conversation, id=f"pane-{next(_pane_ids)}")
+        pane = ChatPane(self.services, config, conversation, id=f"pane-{next(_pane_ids)}")
         await self.query_one("#panes").mount(pane)
         await self.query_one(Tabs).add_tab(Tab(self._tab_label(pane), id=f"tab-{pane.id}"))
         self.focus_pane(len(self.panes) - 1)
@@ -159,7 +156,7 @@ class MainScreen(Screen[None]):
     # -- actions ------------------------------------------------------------------------------------
 
     async def action_new_session(self) -> None:
-        config = self.chat_app.create_session_config()
+        config = self.services.create_session_config()
         await self.add_pane(config, Conversation())
 
     async def action_close_session(self) -> None:
@@ -168,7 +165,7 @@ class MainScreen(Screen[None]):
             return
         pane.stop()
         index = self.panes.index(pane)
-        self.chat_app.recorder.update_session(pane.config.db_id, archived=True)
+        self.services.recorder.update_session(pane.config.db_id, archived=True)
         await self.query_one(Tabs).remove_tab(f"tab-{pane.id}")
         await pane.remove()
         if not self.panes:
@@ -186,7 +183,7 @@ class MainScreen(Screen[None]):
         if title is None:
             return
         pane.config.title = title
-        self.chat_app.recorder.update_session(pane.config.db_id, title=title)
+        self.services.recorder.update_session(pane.config.db_id, title=title)
         pane.update_titles()
 
     @work
@@ -195,12 +192,12 @@ class MainScreen(Screen[None]):
         if pane is None:
             return
         new = await self.app.push_screen_wait(
-            SessionSettingsScreen(pane.config, [e.name for e in self.chat_app.settings.endpoints])
+            SessionSettingsScreen(pane.config, [e.name for e in self.services.settings.endpoints])
         )
         if new is None:
             return
         pane.config = new
-        self.chat_app.recorder.update_session(
+        self.services.recorder.update_session(
             new.db_id,
             title=new.title,
             model=new.model,
@@ -258,4 +255,4 @@ class MainScreen(Screen[None]):
 
     def action_export(self) -> None:
         if (pane := self.active_pane) is not None:
-            self.chat_app.export_session(pane.config)
+            self.services.export_session(pane.config)

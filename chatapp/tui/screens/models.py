@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import on, work
@@ -16,7 +16,7 @@ from chatapp.model_facts import format_bytes, format_count
 from chatapp.tui.model_catalog import HubEntry, LocalEntry
 
 if TYPE_CHECKING:
-    from chatapp.tui.app import ChatApp
+    from chatapp.tui.services import ModelScreenServices
 
 _LABEL_STYLES = {"fits": "green", "will be slow": "yellow", "will not fit": "red"}
 
@@ -28,9 +28,9 @@ class ModelScreen(ModalScreen[None]):
         Binding("ctrl+l", "reload", "Reload list", priority=True),
     ]
 
-    @property
-    def chat_app(self) -> ChatApp:
-        return cast("ChatApp", self.app)
+    def __init__(self, services: ModelScreenServices) -> None:
+        super().__init__()
+        self.services = services
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide tall"):
@@ -58,8 +58,8 @@ class ModelScreen(ModalScreen[None]):
         self._show_download()
 
     def _show_current(self) -> None:
-        name = self.chat_app.local_model_name() or "(none loaded)"
-        self.query_one("#current-model", Label).update(f"The engine runs: {name} ({self.chat_app.engine.state})")
+        name = self.services.local_model_name() or "(none loaded)"
+        self.query_one("#current-model", Label).update(f"The engine runs: {name} ({self.services.engine.state})")
 
     def action_reload(self) -> None:
         self._load_local()
@@ -67,7 +67,7 @@ class ModelScreen(ModalScreen[None]):
     @work(thread=True, exclusive=True, group="local-models")
     def _load_local(self) -> None:
         try:
-            entries = self.chat_app.catalog.list_local()
+            entries = self.services.catalog.list_local()
         except Exception as exc:  # a broken cache entry must not break the screen
             self.app.call_from_thread(self.notify, f"Cannot list local models: {exc}", severity="error")
             return
@@ -88,7 +88,7 @@ class ModelScreen(ModalScreen[None]):
     @work(thread=True, exclusive=True, group="hub-search")
     def _run_search(self, query: str) -> None:
         try:
-            results = self.chat_app.catalog.search(query)
+            results = self.services.catalog.search(query)
         except Exception as exc:  # network and Hub errors arrive as HubError with a readable message
             self.app.call_from_thread(self._search_failed, str(exc))
             return
@@ -118,18 +118,18 @@ class ModelScreen(ModalScreen[None]):
     def _switch(self, event: DataTable.RowSelected) -> None:
         name = event.row_key.value
         if name:
-            self.chat_app.switch_model(name)
+            self.services.switch_model(name)
             self._show_current()
 
     @on(DataTable.RowSelected, "#hub")
     def _pull(self, event: DataTable.RowSelected) -> None:
         repo_id = event.row_key.value
         if repo_id:
-            self.chat_app.start_pull(repo_id)
+            self.services.start_pull(repo_id)
             self._show_download()
 
     def _show_download(self) -> None:
-        job = self.chat_app.latest_pull
+        job = self.services.latest_pull
         box = self.query_one("#download")
         box.display = job is not None
         if job is None:
@@ -154,7 +154,7 @@ class ModelScreen(ModalScreen[None]):
             self._load_local()
 
     def action_cancel_download(self) -> None:
-        job = self.chat_app.latest_pull
+        job = self.services.latest_pull
         if job is None or not job.active:
             self.notify("No download is running.")
             return

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import on
@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Input, Label
 from chatapp.history import HistoryError
 
 if TYPE_CHECKING:
-    from chatapp.tui.app import ChatApp
+    from chatapp.tui.services import SessionsScreenServices
 
 _MARK = ("\x01", "\x02")
 
@@ -39,9 +39,9 @@ class SessionsScreen(ModalScreen[int | None]):
         Binding("ctrl+s", "export", "Export", priority=True),
     ]
 
-    @property
-    def chat_app(self) -> ChatApp:
-        return cast("ChatApp", self.app)
+    def __init__(self, services: SessionsScreenServices) -> None:
+        super().__init__()
+        self.services = services
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide tall"):
@@ -61,7 +61,7 @@ class SessionsScreen(ModalScreen[int | None]):
     def _fill(self, query: str) -> None:
         table = self.query_one(DataTable)
         table.clear()
-        store = self.chat_app.store
+        store = self.services.store
         if store is None:
             table.add_row("The history is not available in this run.", "", "", "")
             return
@@ -112,7 +112,7 @@ class SessionsScreen(ModalScreen[int | None]):
         if sid is None:
             self.notify("Pick a session first (↓ then arrows).", severity="warning")
             return
-        self.chat_app.export_by_id(sid)
+        self.services.export_by_id(sid)
 
     def action_close(self) -> None:
         self.dismiss(None)

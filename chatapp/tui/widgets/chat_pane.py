@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from textual import work
 from textual.app import ComposeResult
@@ -61,8 +61,11 @@ class ChatPane(Vertical):
     editing: reactive[Node | None] = reactive(None, init=False)
     """The user message being edited (Enter resends it as a new branch)."""
 
-    def __init__(self, config: SessionConfig, conversation: Conversation, *, id: str | None = None) -> None:
+    def __init__(
+        self, services: ChatServices, config: SessionConfig, conversation: Conversation, *, id: str | None = None
+    ) -> None:
         super().__init__(id=id, classes="chat-pane")
+        self.services = services
         self.config = config
         self.conversation = conversation
         self._pending: list[str] = []
@@ -82,10 +85,6 @@ class ChatPane(Vertical):
         yield VerticalScroll(classes="message-log")
         yield Static("", classes="pane-notice")
         yield PromptInput(placeholder="Message (Enter sends, Ctrl+J new line)", id=f"{self.id}-prompt")
-
-    @property
-    def services(self) -> ChatServices:
-        return cast("ChatServices", self.app)
 
     @property
     def log_view(self) -> VerticalScroll:
