@@ -331,6 +331,9 @@ async def test_model_screen_downloads_in_the_background_and_switches(tmp_path: P
     app = make_app(tmp_path, client)
     gate = threading.Event()
     app.catalog.gate = gate  # type: ignore[attr-defined]
+    notes: list[str] = []
+    notify = app.notify
+    app.notify = lambda message, **kw: (notes.append(str(message)), notify(message, **kw))[1]  # type: ignore[method-assign]
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.state == "ready", "engine ready")
         await pilot.press("f4")
@@ -353,6 +356,8 @@ async def test_model_screen_downloads_in_the_background_and_switches(tmp_path: P
         await pilot.press("escape")  # the download goes on without the screen
         await wait_for(pilot, lambda: app.latest_pull.state == "done", "download finished")
         assert app.latest_pull.done_bytes == app.latest_pull.total_bytes == 4000
+        # The download's thread said so by a message; the app told the user.
+        await wait_for(pilot, lambda: any(n.startswith("Downloaded Qwen/Qwen2.5-7B-Instruct") for n in notes), "told")
         # Chats went on meanwhile and can switch to a local model: every pane is told.
         await pilot.press("f4")
         await wait_for(pilot, lambda: isinstance(app.screen, ModelScreen), "model screen again")

@@ -19,6 +19,7 @@ from typing import Any
 from textual import work
 from textual.app import App, SystemCommand
 from textual.css.query import NoMatches
+from textual.message import Message
 from textual.screen import Screen
 
 from chatapp.engine.api import EngineClient, EngineDeadError, EngineError
@@ -57,6 +58,14 @@ def default_engine_factory(model: str | None, options: dict[str, Any]) -> Engine
         return AsyncEngineClient(EngineConfig(model=model, **options))
 
     return factory
+
+
+class PullEnded(Message):
+    """A download ended: done, failed or cancelled (posted from its thread; the job says which)."""
+
+    def __init__(self, job: PullJob) -> None:
+        super().__init__()
+        self.job = job
 
 
 class ChatApp(App[None]):
@@ -420,21 +429,27 @@ class ChatApp(App[None]):
         return job
 
     def _pull(self, job: PullJob) -> None:
-        """Runs in a thread: plan, then download with progress; the job records the outcome."""
+        """Runs in a thread: plan, then download with progress; the job records the outcome and the
+        app hears of the end by a message (the thread touches nothing else of the app)."""
         try:
             size = self.catalog.plan(job.spec)
             job.total_bytes = size.total_bytes
             job.state = "downloading"
             job.name = self.catalog.pull(job.spec, job.progress)
             job.state = "done"
-            self.call_from_thread(self.notify, f"Downloaded {job.name}; pick it in the model screen to use it.")
         except PullCancelled:
             job.state = "cancelled"
         except Exception as exc:  # HubError, disk errors: shown, never a traceback
             job.state, job.error = "failed", str(exc) or type(exc).__name__
-            self.call_from_thread(
-                self.notify, f"Download of {job.spec} failed: {job.error}", severity="error", timeout=15
-            )
+        finally:
+            self.post_message(PullEnded(job))
+
+    def on_pull_ended(self, message: PullEnded) -> None:
+        job = message.job
+        if job.state == "done":
+            self.notify(f"Downloaded {job.name}; pick it in the model screen to use it.")
+        elif job.state == "failed":
+            self.notify(f"Download of {job.spec} failed: {job.error}", severity="error", timeout=15)
 
     # -- export ----------------------------------------------------------------------------------
 
