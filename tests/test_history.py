@@ -488,9 +488,12 @@ def test_search_follows_renames_edits_and_deletes(store):
     ],
 )
 def test_search_accepts_fts_syntax_characters(store, query):
+    """FTS syntax in a query is text, never syntax: no error, and a hit exactly when its words are there
+    (each space-separated term is a phrase of the words in it, the last one a prefix)."""
     s = store.create_session("c++ and foo:bar")
     store.add_message(s.id, None, "user", "c++ foo:bar -x (a) NOT")
-    store.search(query)  # must not raise
+    found = query in ("a)", "c++", "-x", "foo:bar", "NOT")  # "a OR": no word starts "or"; "NEAR(a": not there
+    assert [hit.session_id for hit in store.search(query)] == ([s.id] if found else [])
 
 
 @pytest.fixture(scope="module")

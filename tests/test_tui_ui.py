@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from textual.widgets import DataTable, Markdown, Tabs
-from textual.widgets._markdown import MarkdownFence
+from textual.widgets.markdown import MarkdownFence
 
 from chatapp.history import HistoryStore
 from chatapp.tui.screens.help import HelpScreen
