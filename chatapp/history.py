@@ -159,6 +159,20 @@ class Metrics:
             v is None for v in (self.prompt_tokens, self.completion_tokens, self.tokens_per_second, self.ttft_ms)
         )
 
+    def describe(self, *, with_prompt: bool = False) -> str:
+        """'87.3 tok/s · 42 tokens · 0.21 s to first token', as LM Studio shows under an answer; the one
+        wording for the TUI and exports (``with_prompt`` adds the prompt's token count)."""
+        parts = []
+        if self.tokens_per_second is not None:
+            parts.append(f"{self.tokens_per_second:.1f} tok/s")
+        if self.completion_tokens is not None:
+            parts.append(f"{self.completion_tokens} tokens")
+        if with_prompt and self.prompt_tokens is not None:
+            parts.append(f"{self.prompt_tokens} prompt tokens")
+        if self.ttft_ms is not None:
+            parts.append(f"{self.ttft_ms / 1000:.2f} s to first token")
+        return " · ".join(parts)
+
 
 @dataclass(frozen=True, slots=True)
 class Session:
@@ -1241,19 +1255,6 @@ def _message_dict(m: Message) -> dict[str, Any]:
     }
 
 
-def _metrics_line(metrics: Metrics) -> str:
-    parts = []
-    if metrics.prompt_tokens is not None:
-        parts.append(f"{metrics.prompt_tokens} prompt tokens")
-    if metrics.completion_tokens is not None:
-        parts.append(f"{metrics.completion_tokens} tokens")
-    if metrics.tokens_per_second is not None:
-        parts.append(f"{metrics.tokens_per_second:.1f} tok/s")
-    if metrics.ttft_ms is not None:
-        parts.append(f"{metrics.ttft_ms:.0f} ms to first token")
-    return " · ".join(parts)
-
-
 def _markdown(session: Session, messages: list[Message]) -> str:
     lines = [f"# {session.title or 'Untitled chat'}", ""]
     backend = session.backend
@@ -1273,7 +1274,7 @@ def _markdown(session: Session, messages: list[Message]) -> str:
         elif m.status == "error":
             lines += [f"> *Error: {m.error or 'the answer failed'}*", ""]
         if m.metrics is not None:
-            lines += [f"*{_metrics_line(m.metrics)}*", ""]
+            lines += [f"*{m.metrics.describe(with_prompt=True)}*", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -531,7 +531,7 @@ def test_markdown_export_shows_the_shown_branch(store):
     assert "## System prompt\n\nYou are terse." in md
     assert "## User\n\nWhat is 2+2?" in md
     assert "## Assistant (tiny)\n\nIt is 4." in md
-    assert "10 prompt tokens · 4 tokens · 12.2 tok/s · 150 ms to first token" in md
+    assert "12.2 tok/s · 4 tokens · 10 prompt tokens · 0.15 s to first token" in md  # the TUI's wording
     assert "Four." not in md and "3+3" not in md  # other branches are not in the Markdown
     store.finish_message(a3.id, "Fo", status="incomplete")
     store.set_selected_leaf(s.id, a3.id)

@@ -7,24 +7,9 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Markdown, Static
 
-from chatapp.history import Metrics
 from chatapp.tui.conversation import Branch, Node
 
 _STATUS_LABELS = {"streaming": "writing…", "incomplete": "incomplete", "error": "error"}
-
-
-def metrics_line(metrics: Metrics | None) -> str:
-    """'87.3 tok/s · 42 tokens · 0.21 s to first token', as LM Studio shows under an answer."""
-    if metrics is None:
-        return ""
-    parts = []
-    if metrics.tokens_per_second is not None:
-        parts.append(f"{metrics.tokens_per_second:.1f} tok/s")
-    if metrics.completion_tokens is not None:
-        parts.append(f"{metrics.completion_tokens} tokens")
-    if metrics.ttft_ms is not None:
-        parts.append(f"{metrics.ttft_ms / 1000:.2f} s to first token")
-    return " · ".join(parts)
 
 
 class MessageView(Vertical):
@@ -62,7 +47,7 @@ class MessageView(Vertical):
         node = self.node
         if node.status == "error" and node.error:
             return Text(f"⚠ {node.error}", style="bold")
-        return Text(metrics_line(node.metrics), style="dim")
+        return Text(node.metrics.describe() if node.metrics else "", style="dim")
 
     def refresh_meta(self) -> None:
         """Redraw the header and footer after the node's status, branch or metrics changed."""
