@@ -98,7 +98,7 @@ def test_older_database_is_upgraded_keeping_its_data(db_path, monkeypatch):
     def add_pinned(conn: sqlite3.Connection) -> None:
         conn.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
 
-    monkeypatch.setattr(history, "MIGRATIONS", [*history.MIGRATIONS, add_pinned])
+    monkeypatch.setattr(history.migrations, "MIGRATIONS", [*history.MIGRATIONS, add_pinned])
     with HistoryStore(db_path) as store:
         assert [m.content for m in store.path(s.id)] == ["hello"]
         assert store._conn.execute("SELECT pinned FROM sessions").fetchall() == [(0,)]
@@ -113,7 +113,7 @@ def test_failed_upgrade_rolls_back_completely(db_path, monkeypatch):
         conn.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER")
         conn.execute("THIS IS NOT SQL")
 
-    monkeypatch.setattr(history, "MIGRATIONS", [*history.MIGRATIONS, half_done])
+    monkeypatch.setattr(history.migrations, "MIGRATIONS", [*history.MIGRATIONS, half_done])
     with pytest.raises(HistoryOpenError, match="cannot upgrade .* left as it was"):
         HistoryStore(db_path)
     conn = raw(db_path)

@@ -1,330 +1,45 @@
-"""Chat history: sessions and their message trees, kept in one SQLite file.
-
-Why it is built this way:
-
-* Every public method is one short transaction, committed before it returns,
-  so a crash loses at most the call in flight, and two chatapp processes can
-  share the file (WAL mode lets readers and one writer work side by side).
-* Messages form a tree through ``parent_id``. Regenerating an answer or
-  editing a user message adds a *sibling*; what a pane shows is the path from
-  a root to the session's selected leaf.
-* An answer is stored the moment it starts (status ``streaming``) and its text
-  is rewritten while it grows (:meth:`HistoryStore.update_partial`), so a
-  crash keeps it as far as it got. Whoever opens the file next marks such
-  answers ``incomplete`` -- but only those whose writer is really gone: each
-  store holds an advisory lock file, so a second live process is left alone.
-* Any failed write raises :class:`HistoryWriteError` after rolling back, so
-  what was saved before stays intact and the UI can keep the chat in memory.
-* The schema is versioned with ``PRAGMA user_version`` and upgraded by the
-  ordered :data:`MIGRATIONS`; a file from a newer chatapp is refused unchanged.
-
-Times are Unix seconds (float, UTC). The module uses only the standard library.
-"""
+"""The store: one short transaction per public method (see the package's docstring)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import sqlite3
 import threading
 import time
-import uuid
-import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-try:  # advisory locks mark live writers; not available on Windows
-    import fcntl
-except ImportError:  # pragma: no cover - exercised only on Windows
-    fcntl = None  # type: ignore[assignment]
-
-__all__ = [
-    "DB_FILENAME",
-    "MIGRATIONS",
-    "Backend",
-    "HistoryError",
-    "HistoryFormatError",
-    "HistoryNotFoundError",
-    "HistoryOpenError",
-    "HistoryStore",
-    "HistoryVersionError",
-    "HistoryWriteError",
-    "Message",
-    "Metrics",
-    "SearchHit",
-    "Session",
-    "Siblings",
-    "default_path",
-    "schema_version",
-]
-
-DB_FILENAME: Final = "history.sqlite3"
-EXPORT_FORMAT: Final = "chatapp-session"
-EXPORT_VERSION: Final = 1
-
-Role = Literal["system", "user", "assistant"]
-Status = Literal["complete", "streaming", "incomplete", "error"]
-ROLES: Final = ("system", "user", "assistant")
-STATUSES: Final = ("complete", "streaming", "incomplete", "error")
-FINAL_STATUSES: Final = ("complete", "incomplete", "error")
-
-
-# -- errors ---------------------------------------------------------------
-
-
-class HistoryError(Exception):
-    """Base class: something about the chat history went wrong (message is user-readable)."""
-
-
-class HistoryWriteError(HistoryError):
-    """A change could not be saved (disk full, read-only, locked too long...).
-
-    The change was rolled back; everything saved earlier is intact. The UI
-    should tell the user and keep the chat in memory.
-    """
-
-
-class HistoryOpenError(HistoryError):
-    """The history file cannot be opened (not a database, unreadable, upgrade failed)."""
-
-
-class HistoryVersionError(HistoryOpenError):
-    """The file was written by a newer chatapp; it is left untouched."""
-
-
-class HistoryNotFoundError(HistoryError, LookupError):
-    """No session or message with that id (it may have been deleted by another window)."""
-
-
-class HistoryFormatError(HistoryError, ValueError):
-    """An imported session file is not in chatapp's export format."""
-
-
-# -- records returned to callers --------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Backend:
-    """Where a session's answers come from: the local engine or a remote OpenAI-compatible server.
-
-    For a remote server, prefer ``endpoint`` (the name of an endpoint in the
-    settings file, which holds the URL and key) over storing ``api_key`` here:
-    keys in the history file end up in backups. ``base_url`` overrides the
-    endpoint's URL when both are given. The model name is ``Session.model``.
-    """
-
-    kind: Literal["local", "remote"] = "local"
-    base_url: str | None = None
-    endpoint: str | None = None
-    api_key: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind == "local":
-            if self.base_url or self.endpoint or self.api_key:
-                raise ValueError("a local backend takes no base_url, endpoint or api_key")
-        elif self.kind == "remote":
-            if not (self.base_url or self.endpoint):
-                raise ValueError("a remote backend needs a base_url or the name of an endpoint from the settings")
-            if self.base_url and not re.match(r"https?://", self.base_url):
-                raise ValueError(f"a remote base_url must start with http:// or https://, got {self.base_url!r}")
-        else:
-            raise ValueError(f"backend kind must be 'local' or 'remote', got {self.kind!r}")
-
-    @classmethod
-    def local(cls) -> Backend:
-        return cls("local")
-
-    @classmethod
-    def remote(cls, base_url: str | None = None, *, endpoint: str | None = None, api_key: str | None = None) -> Backend:
-        return cls("remote", base_url=base_url, endpoint=endpoint, api_key=api_key)
-
-
-@dataclass(frozen=True, slots=True)
-class Metrics:
-    """The numbers shown under an answer; any may be unknown (None)."""
-
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    tokens_per_second: float | None = None
-    ttft_ms: float | None = None
-    """Time to first token, in milliseconds."""
-
-    def is_empty(self) -> bool:
-        return all(
-            v is None for v in (self.prompt_tokens, self.completion_tokens, self.tokens_per_second, self.ttft_ms)
-        )
-
-    def describe(self, *, with_prompt: bool = False) -> str:
-        """'87.3 tok/s · 42 tokens · 0.21 s to first token', as LM Studio shows under an answer; the one
-        wording for the TUI and exports (``with_prompt`` adds the prompt's token count)."""
-        parts = []
-        if self.tokens_per_second is not None:
-            parts.append(f"{self.tokens_per_second:.1f} tok/s")
-        if self.completion_tokens is not None:
-            parts.append(f"{self.completion_tokens} tokens")
-        if with_prompt and self.prompt_tokens is not None:
-            parts.append(f"{self.prompt_tokens} prompt tokens")
-        if self.ttft_ms is not None:
-            parts.append(f"{self.ttft_ms / 1000:.2f} s to first token")
-        return " · ".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class Session:
-    """One chat pane: its settings and which branch of its tree is shown."""
-
-    id: int
-    title: str
-    created_at: float
-    updated_at: float
-    position: int
-    """Order of the panes (0 first); archived sessions come after the others."""
-    model: str | None
-    system_prompt: str
-    sampling: dict[str, Any]
-    backend: Backend
-    selected_leaf_id: int | None
-    """The message whose root path is shown; None means the newest message."""
-    archived: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One node of a session's message tree."""
-
-    id: int
-    session_id: int
-    parent_id: int | None
-    role: Role
-    content: str
-    status: Status
-    created_at: float
-    model: str | None = None
-    metrics: Metrics | None = None
-    error: str | None = None
-    """Why the answer failed, when ``status == "error"``."""
-
-
-@dataclass(frozen=True, slots=True)
-class Siblings:
-    """The branches of one turn, oldest first, and where a given message is among them."""
-
-    messages: list[Message]
-    index: int
-
-    @property
-    def count(self) -> int:
-        return len(self.messages)
-
-
-@dataclass(frozen=True, slots=True)
-class SearchHit:
-    """A session matching a search, with its best matching text.
-
-    ``message_id`` is None when the title matched; otherwise the TUI can show
-    that message with :meth:`HistoryStore.select_branch`.
-    """
-
-    session_id: int
-    title: str
-    message_id: int | None
-    snippet: str
-
-
-# -- schema -----------------------------------------------------------------
-
-_TOKENIZER = "tokenize = 'unicode61 remove_diacritics 2'"
-
-_V1: Final = (
-    """CREATE TABLE sessions (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        title TEXT NOT NULL DEFAULT '',
-        created_at REAL NOT NULL,
-        updated_at REAL NOT NULL,
-        position INTEGER NOT NULL DEFAULT 0,
-        model TEXT,
-        system_prompt TEXT NOT NULL DEFAULT '',
-        sampling TEXT NOT NULL DEFAULT '{}' CHECK (json_valid(sampling)),
-        backend_kind TEXT NOT NULL DEFAULT 'local' CHECK (backend_kind IN ('local', 'remote')),
-        backend_url TEXT,
-        backend_endpoint TEXT,
-        backend_api_key TEXT,
-        selected_leaf_id INTEGER REFERENCES messages(id) ON DELETE SET NULL,
-        archived INTEGER NOT NULL DEFAULT 0 CHECK (archived IN (0, 1))
-    )""",
-    """CREATE TABLE messages (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        session_id INTEGER NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
-        -- No ON DELETE CASCADE here: cascades recurse once per tree level and
-        -- SQLite stops at 1000 levels; delete_message removes a subtree itself.
-        parent_id INTEGER REFERENCES messages(id),
-        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
-        content TEXT NOT NULL DEFAULT '',
-        status TEXT NOT NULL DEFAULT 'complete'
-            CHECK (status IN ('complete', 'streaming', 'incomplete', 'error')),
-        created_at REAL NOT NULL,
-        model TEXT,
-        prompt_tokens INTEGER,
-        completion_tokens INTEGER,
-        tokens_per_second REAL,
-        ttft_ms REAL,
-        error TEXT,
-        writer TEXT -- the store streaming this message; NULL once it is final
-    )""",
-    "CREATE INDEX messages_by_parent ON messages(parent_id)",
-    "CREATE INDEX messages_by_session ON messages(session_id, parent_id)",
-    "CREATE INDEX messages_streaming ON messages(writer) WHERE status = 'streaming'",
-    "CREATE INDEX sessions_by_selected ON sessions(selected_leaf_id)",
-    # Full-text search. These FTS tables keep their own copy of the text (not
-    # "external content"): a row can then be deleted by rowid alone, which
-    # keeps the triggers simple and the index impossible to desynchronise.
-    # Streaming messages are indexed once they stop streaming, so the frequent
-    # partial updates never touch the index.
-    f"CREATE VIRTUAL TABLE message_search USING fts5(content, {_TOKENIZER})",
-    f"CREATE VIRTUAL TABLE session_search USING fts5(title, {_TOKENIZER})",
-    """CREATE TRIGGER messages_ai AFTER INSERT ON messages WHEN new.status <> 'streaming' BEGIN
-        INSERT INTO message_search(rowid, content) VALUES (new.id, new.content);
-    END""",
-    """CREATE TRIGGER messages_au AFTER UPDATE OF content, status ON messages
-    WHEN old.status <> 'streaming' OR new.status <> 'streaming' BEGIN
-        DELETE FROM message_search WHERE rowid = old.id;
-        INSERT INTO message_search(rowid, content)
-            SELECT new.id, new.content WHERE new.status <> 'streaming';
-    END""",
-    """CREATE TRIGGER messages_ad AFTER DELETE ON messages BEGIN
-        DELETE FROM message_search WHERE rowid = old.id;
-    END""",
-    """CREATE TRIGGER sessions_ai AFTER INSERT ON sessions BEGIN
-        INSERT INTO session_search(rowid, title) VALUES (new.id, new.title);
-    END""",
-    """CREATE TRIGGER sessions_au AFTER UPDATE OF title ON sessions BEGIN
-        DELETE FROM session_search WHERE rowid = old.id;
-        INSERT INTO session_search(rowid, title) VALUES (new.id, new.title);
-    END""",
-    """CREATE TRIGGER sessions_ad AFTER DELETE ON sessions BEGIN
-        DELETE FROM session_search WHERE rowid = old.id;
-    END""",
+from chatapp.history import migrations
+from chatapp.history.errors import (
+    HistoryError,
+    HistoryFormatError,
+    HistoryNotFoundError,
+    HistoryOpenError,
+    HistoryVersionError,
+    HistoryWriteError,
 )
-
-
-def _migrate_to_v1(conn: sqlite3.Connection) -> None:
-    """The first release's schema."""
-    for statement in _V1:
-        conn.execute(statement)
-
-
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_v1]
-"""Migration i brings a database from version i to i + 1. Only ever append."""
-
-
-def schema_version() -> int:
-    """The schema version this code writes (the number of migrations)."""
-    return len(MIGRATIONS)
+from chatapp.history.export import _markdown, _message_dict, _parse_export
+from chatapp.history.locks import _WriterLock
+from chatapp.history.records import (
+    DB_FILENAME,
+    EXPORT_FORMAT,
+    EXPORT_VERSION,
+    FINAL_STATUSES,
+    ROLES,
+    STATUSES,
+    Backend,
+    Message,
+    Metrics,
+    Role,
+    SearchHit,
+    Session,
+    Siblings,
+    Status,
+    _iso,
+    _sampling_json,
+)
 
 
 def default_path() -> Path:
@@ -335,82 +50,6 @@ def default_path() -> Path:
 
 
 # -- live-writer locks ----------------------------------------------------------
-
-_TOKEN_RE = re.compile(r"[0-9a-f]{32}")
-_open_locks: weakref.WeakSet[_WriterLock] = weakref.WeakSet()
-
-
-class _WriterLock:
-    """An exclusively locked file that exists while this store is open.
-
-    Streaming messages are tagged with the store's token; another process
-    that finds the token's lock file unlocked knows the writer died (the OS
-    drops the lock even on SIGKILL) and may mark its answers incomplete.
-    """
-
-    def __init__(self, directory: Path) -> None:
-        self.token = uuid.uuid4().hex
-        self._fd: int | None = None
-        if fcntl is None:  # pragma: no cover - Windows: no liveness check
-            return
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"{self.token}.lock"
-        self._fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _open_locks.add(self)
-
-    def release(self) -> None:
-        if self._fd is None:
-            return
-        with suppress(OSError):
-            os.unlink(self.path)
-        os.close(self._fd)  # closing drops the lock
-        self._fd = None
-
-    def _forget_in_child(self) -> None:
-        """After fork: close the child's copy, so the lock dies with the parent alone."""
-        if self._fd is not None:
-            with suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
-
-    @staticmethod
-    def is_alive(directory: Path, token: str | None) -> bool:
-        """Whether the store with this token is still open, in any process."""
-        if fcntl is None or token is None or not _TOKEN_RE.fullmatch(token):
-            return False
-        path = directory / f"{token}.lock"
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return False  # its owner removed it on close, or a sweeper did after its death
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            with suppress(OSError):
-                os.unlink(path)  # a dead writer's leftover
-            return False
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def sweep(directory: Path) -> None:
-        """Remove lock files left by writers that died."""
-        with suppress(OSError):
-            for entry in directory.iterdir():
-                if entry.suffix == ".lock":
-                    _WriterLock.is_alive(directory, entry.stem)
-
-
-def _after_fork_in_child() -> None:
-    for lock in list(_open_locks):
-        lock._forget_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # -- helpers --------------------------------------------------------------------
@@ -443,31 +82,6 @@ def _reason(exc: sqlite3.Error) -> str:
     if code is not None and (code & 0xFF) in _REASONS:
         return f"{_REASONS[code & 0xFF]} ({exc})"
     return str(exc)
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat()
-
-
-def _from_iso(text: Any, what: str) -> float:
-    try:
-        parsed = datetime.fromisoformat(text)
-    except (TypeError, ValueError):
-        raise HistoryFormatError(f"{what}: expected an ISO 8601 time, got {text!r}") from None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=UTC)
-    return parsed.timestamp()
-
-
-def _sampling_json(sampling: Mapping[str, Any] | None) -> str:
-    if sampling is None:
-        return "{}"
-    if not isinstance(sampling, Mapping) or not all(isinstance(k, str) for k in sampling):
-        raise ValueError("sampling parameters must be a mapping with string keys")
-    try:
-        return json.dumps(dict(sampling), sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"sampling parameters must be JSON values: {exc}") from None
 
 
 def _check_choice(value: str, allowed: tuple[str, ...], what: str) -> None:
@@ -563,10 +177,10 @@ class HistoryStore:
         return conn
 
     def _check_version(self, found: int) -> None:
-        if found > schema_version():
+        if found > migrations.schema_version():
             raise HistoryVersionError(
                 f"the chat history {self.db_path} was written by a newer chatapp (schema version {found}; "
-                f"this one knows up to {schema_version()}). Upgrade chatapp; the file was not changed."
+                f"this one knows up to {migrations.schema_version()}). Upgrade chatapp; the file was not changed."
             )
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
@@ -575,17 +189,17 @@ class HistoryStore:
         try:
             found = conn.execute("PRAGMA user_version").fetchone()[0]  # another process may have upgraded it
             self._check_version(found)
-            for version in range(found, schema_version()):
-                MIGRATIONS[version](conn)
-            if found != schema_version():
-                conn.execute(f"PRAGMA user_version = {schema_version()}")
+            for version in range(found, migrations.schema_version()):
+                migrations.MIGRATIONS[version](conn)
+            if found != migrations.schema_version():
+                conn.execute(f"PRAGMA user_version = {migrations.schema_version()}")
             conn.execute("COMMIT")
         except BaseException as exc:
             with suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
             if isinstance(exc, sqlite3.Error):
                 raise HistoryOpenError(
-                    f"cannot upgrade the chat history {self.db_path} to schema version {schema_version()}: "
+                    f"cannot upgrade the chat history {self.db_path} to schema version {migrations.schema_version()}: "
                     f"{_reason(exc)}; the file was left as it was"
                 ) from None
             raise
@@ -1233,138 +847,3 @@ class HistoryStore:
 
 
 # -- export helpers -----------------------------------------------------------------------
-
-
-def _message_dict(m: Message) -> dict[str, Any]:
-    metrics = m.metrics or Metrics()
-    return {
-        "id": m.id,
-        "parent_id": m.parent_id,
-        "role": m.role,
-        "content": m.content,
-        "status": m.status,
-        "created_at": _iso(m.created_at),
-        "model": m.model,
-        "metrics": {
-            "prompt_tokens": metrics.prompt_tokens,
-            "completion_tokens": metrics.completion_tokens,
-            "tokens_per_second": metrics.tokens_per_second,
-            "ttft_ms": metrics.ttft_ms,
-        },
-        "error": m.error,
-    }
-
-
-def _markdown(session: Session, messages: list[Message]) -> str:
-    lines = [f"# {session.title or 'Untitled chat'}", ""]
-    backend = session.backend
-    where = "local engine" if backend.kind == "local" else (backend.endpoint or backend.base_url or "remote")
-    lines.append(f"- Model: {session.model or 'default'} ({where})")
-    lines.append(f"- Started: {datetime.fromtimestamp(session.created_at, UTC):%Y-%m-%d %H:%M} UTC")
-    lines.append("")
-    if session.system_prompt:
-        lines += ["## System prompt", "", session.system_prompt, ""]
-    for m in messages:
-        heading = m.role.capitalize() + (f" ({m.model})" if m.role == "assistant" and m.model else "")
-        lines += [f"## {heading}", "", m.content, ""]
-        if m.status == "incomplete":
-            lines += ["> *This answer is incomplete: it was interrupted.*", ""]
-        elif m.status == "streaming":
-            lines += ["> *This answer was still being written when exported.*", ""]
-        elif m.status == "error":
-            lines += [f"> *Error: {m.error or 'the answer failed'}*", ""]
-        if m.metrics is not None:
-            lines += [f"*{m.metrics.describe(with_prompt=True)}*", ""]
-    return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def _field(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], where: str, optional: bool = False) -> Any:
-    """obj[key] checked against ``kinds`` (a bool is not accepted as a number)."""
-    value = obj.get(key)
-    if value is None and optional:
-        return None
-    allowed = kinds if isinstance(kinds, tuple) else (kinds,)
-    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-        raise HistoryFormatError(f"{where}.{key}: unexpected value {value!r}")
-    return value
-
-
-def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, Any]]], Any]:
-    """Validate an export and return (session columns, [(old id, message columns)], selected old id)."""
-    if not isinstance(data, Mapping) or data.get("format") != EXPORT_FORMAT:
-        raise HistoryFormatError(f'not a chatapp session export (its "format" is not {EXPORT_FORMAT!r})')
-    if data.get("version") != EXPORT_VERSION:
-        raise HistoryFormatError(
-            f"unsupported chatapp export version {data.get('version')!r} (this chatapp reads version {EXPORT_VERSION})"
-        )
-    s = data.get("session")
-    if not isinstance(s, Mapping):
-        raise HistoryFormatError('the export has no "session" object')
-    b = _field(s, "backend", Mapping, "session")
-    try:
-        backend = Backend(
-            _field(b, "kind", str, "session.backend"), b.get("base_url"), b.get("endpoint"), b.get("api_key")
-        )
-    except (ValueError, TypeError) as exc:
-        raise HistoryFormatError(f"session.backend: {exc}") from None
-    try:
-        sampling = _sampling_json(_field(s, "sampling", Mapping, "session"))
-    except ValueError as exc:
-        raise HistoryFormatError(f"session.sampling: {exc}") from None
-    session = {
-        "title": _field(s, "title", str, "session"),
-        "created_at": _from_iso(s.get("created_at"), "session.created_at"),
-        "updated_at": _from_iso(s.get("updated_at"), "session.updated_at"),
-        "model": _field(s, "model", str, "session", optional=True),
-        "system_prompt": _field(s, "system_prompt", str, "session"),
-        "sampling": sampling,
-        "backend": (backend.kind, backend.base_url, backend.endpoint, backend.api_key),
-        "archived": int(bool(_field(s, "archived", bool, "session"))),
-    }
-    raw_messages = data.get("messages")
-    if not isinstance(raw_messages, list):
-        raise HistoryFormatError('the export has no "messages" list')
-    seen: set[Any] = set()
-    messages: list[tuple[Any, dict[str, Any]]] = []
-    for i, m in enumerate(raw_messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, Mapping):
-            raise HistoryFormatError(f"{where}: expected an object")
-        old_id = _field(m, "id", int, where)
-        parent = _field(m, "parent_id", int, where, optional=True)
-        if parent is not None and parent not in seen:
-            raise HistoryFormatError(f"{where}: its parent {parent} is missing or comes after it")
-        if old_id in seen:
-            raise HistoryFormatError(f"{where}: duplicate id {old_id}")
-        seen.add(old_id)
-        role = _field(m, "role", str, where)
-        status = _field(m, "status", str, where)
-        if role not in ROLES or status not in STATUSES:
-            raise HistoryFormatError(f"{where}: unknown role {role!r} or status {status!r}")
-        metrics = m.get("metrics") or {}
-        if not isinstance(metrics, Mapping):
-            raise HistoryFormatError(f"{where}.metrics: expected an object")
-        messages.append(
-            (
-                old_id,
-                {
-                    "parent_id": parent,
-                    "role": role,
-                    "content": _field(m, "content", str, where),
-                    "status": "incomplete" if status == "streaming" else status,
-                    "created_at": _from_iso(m.get("created_at"), f"{where}.created_at"),
-                    "model": _field(m, "model", str, where, optional=True),
-                    "prompt_tokens": _field(metrics, "prompt_tokens", int, f"{where}.metrics", optional=True),
-                    "completion_tokens": _field(metrics, "completion_tokens", int, f"{where}.metrics", optional=True),
-                    "tokens_per_second": _field(
-                        metrics, "tokens_per_second", (int, float), f"{where}.metrics", optional=True
-                    ),
-                    "ttft_ms": _field(metrics, "ttft_ms", (int, float), f"{where}.metrics", optional=True),
-                    "error": _field(m, "error", str, where, optional=True),
-                },
-            )
-        )
-    selected = s.get("selected_leaf_id")
-    if selected is not None and selected not in seen:
-        raise HistoryFormatError(f"session.selected_leaf_id: no message has id {selected!r}")
-    return session, messages, selected
