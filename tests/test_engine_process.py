@@ -531,7 +531,7 @@ async def test_engine_outlives_the_process_that_spawned_it(
         assert spawner.stdin is not None
         spawner.stdin.write(b"exit\n")
         assert await asyncio.wait_for(spawner.wait(), 30) == 0
-        stats = await wait_for_stats(c, lambda s: s["num_clients"] == 1, within=ipc.CLIENT_TIMEOUT_S + 2)
+        stats = await wait_for_stats(c, lambda s: s.num_clients == 1, within=ipc.CLIENT_TIMEOUT_S + 2)
         assert stats.num_clients == 1 and stats.engine_pid == c.engine_pid
         deltas = await collect(c.generate("Still here", SamplingParams(temperature=0, max_tokens=4)))
         assert deltas[-1].finish_reason == "length" and c.state == "ready"
