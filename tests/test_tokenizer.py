@@ -117,3 +117,21 @@ def test_render_chat_matches_transformers_ids(pair) -> None:
         if isinstance(expected, dict) or hasattr(expected, "keys"):  # transformers 5 returns a BatchEncoding
             expected = expected["input_ids"]
         assert tokenizer.render_chat(messages) == list(expected)
+
+
+def test_decode_cleans_up_spaces_as_transformers_does_for_a_non_bpe_model(tmp_path: Path) -> None:
+    """clean_up_tokenization_spaces applies to WordPiece-style models (transformers skips it for BPE)."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, ",": 2, "world": 3, ".": 4, "isn": 5, "'": 6, "t": 7, "it": 8}
+    backend = Backend(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    reference = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    reference.save_pretrained(str(tmp_path))
+    ours = TextTokenizer(tmp_path)
+    ids = ours.encode("hello, world. it isn't", add_special_tokens=False)
+    assert ids == reference.encode("hello, world. it isn't", add_special_tokens=False)
+    assert ours.decode(ids) == reference.decode(ids) == "hello, world. it isn't"

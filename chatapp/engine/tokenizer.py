@@ -144,6 +144,7 @@ class TextTokenizer:
 
     def __init__(self, directory: Path) -> None:
         from tokenizers import Tokenizer as Backend
+        from tokenizers.models import BPE
 
         self.backend = Backend.from_file(str(directory / "tokenizer.json"))
         self.backend.no_truncation()
@@ -160,9 +161,10 @@ class TextTokenizer:
         # The named special tokens, as transformers hands them to templates (not the extra ones).
         names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
         self.special_tokens = {n: t for n in names if (t := _token_text(config.get(n))) is not None}
-        bpe = json.loads(self.backend.to_str()).get("model", {}).get("type") == "BPE"
         # transformers skips this clean-up for BPE models (it strips real spaces before punctuation).
-        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces")) and not bpe
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces")) and not isinstance(
+            self.backend.model, BPE
+        )
 
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
