@@ -69,10 +69,10 @@ def _tree_rss(proc: psutil.Process) -> tuple[int, dict[str, int]]:
     return sum(parts.values()), parts
 
 
-def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool) -> dict:
+def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool, cwd: str | None = None) -> dict:
     """Start, wait for /health, optionally chat once and read the tree's RSS, then stop."""
     start = time.perf_counter()
-    popen = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    popen = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out: dict = {}
     try:
         while True:
@@ -147,8 +147,8 @@ def tui_first_screen(env: dict[str, str]) -> float:
     return seconds
 
 
-def measure(name: str, make_cmd, env: dict[str, str], repeat: int) -> dict:
-    runs = [run_server(make_cmd(port := free_port()), port, env, measure=(i == 0)) for i in range(repeat)]
+def measure(name: str, make_cmd, env: dict[str, str], repeat: int, cwd: str | None = None) -> dict:
+    runs = [run_server(make_cmd(port := free_port()), port, env, measure=(i == 0), cwd=cwd) for i in range(repeat)]
     best = min(r["start_s"] for r in runs)
     row = {"warm_start_s": best, "rss_bytes": runs[0].get("rss_bytes"), "rss_parts": runs[0].get("rss_parts")}
     print(
@@ -221,6 +221,7 @@ def main() -> None:
                 ],
                 dict(os.environ),
                 args.repeat,
+                cwd=tempfile.gettempdir(),  # ik_llama.cpp's server writes llama.log where it runs
             )
     base = [r for n, r in rows.items() if n != "ours" and r.get("rss_bytes")]
     if base:
