@@ -57,7 +57,8 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def gguf_tokenizer_cache(gguf: Path) -> Path:
-    """Where the tokenizer of a GGUF file is kept once built (keyed on the file's path, size and time)."""
+    """Where the tokenizer files built for a GGUF file (or a model directory without tokenizer.json) are kept,
+    keyed on its path, size and time."""
     from chatapp import paths
 
     st = gguf.stat()
