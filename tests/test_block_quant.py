@@ -71,20 +71,31 @@ def test_kernel_computes_the_block_arithmetic(ext, bits: int, shape: tuple[int, 
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_rows_are_bitwise_batch_invariant_and_vnni_matches_the_portable_loop(ext, bits: int) -> None:
+def test_rows_are_bitwise_batch_invariant_and_every_loop_gives_the_same_bits(ext, bits: int) -> None:
+    """VNNI, AVX2 (what most laptops run) and the portable loop agree to the bit, batched or one row."""
+    assert ext.block_quant_paths() == ["vnni", "avx2", "portable"], "these machines build every loop"
     torch.manual_seed(3)
     n, k = 200, 192
     packed, _ = PACKERS[bits](torch.randn(n, k) * 0.1)
     bias = torch.randn(n)
     x = torch.randn(100, k)
+    x[7, :32] = torch.tensor([5.0, -5.0] * 16)  # codes at +-127 beside the weights' extreme codes
     batch = ext.block_linear(x, packed, bits, n, bias)
-    for i in (0, 63, 64, 99):
-        assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, bits, n, bias)[0], batch[i])
-    assert torch.equal(ext.block_linear(x[10:80], packed, bits, n, bias), batch[10:80])
-    assert torch.equal(ext.block_linear(x, packed, bits, n, bias, True), batch)
+    for path in ext.block_quant_paths():
+        assert torch.equal(ext.block_linear(x, packed, bits, n, bias, path=path), batch), path
+        for i in (0, 7, 63, 64, 99):
+            one = ext.block_linear(x[i : i + 1].clone(), packed, bits, n, bias, path=path)
+            assert torch.equal(one[0], batch[i]), (path, i)
+        assert torch.equal(ext.block_linear(x[10:80], packed, bits, n, bias, path=path), batch[10:80]), path
     strided = torch.randn(100, 2 * k)[:, :k]  # a view with a row stride, as the layer loop passes
     strided.copy_(x)
     assert torch.equal(ext.block_linear(strided, packed, bits, n, bias), batch)
+
+
+def test_an_unknown_or_missing_loop_is_refused_by_name(ext) -> None:
+    packed, _ = pack_q4(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match="unknown kernel path 'neon'"):
+        ext.block_linear(torch.randn(2, 64), packed, 4, 32, path="neon")
 
 
 def test_block_linear_rejects_mismatched_packing(ext) -> None:

@@ -25,7 +25,9 @@ KIND_OF = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q5_1": 9, "Q8_0": 8, "Q4_K": 104, "
 @pytest.fixture(scope="module")
 def ext():
     ext = cpu_kernels.load()
-    assert ext is not None and ext.block_quant_fast(), "the AVX-512 VNNI kernels must build on these machines"
+    assert ext is not None and ext.block_quant_paths() == ["vnni", "avx2", "portable"], (
+        "these machines build every loop"
+    )
     return ext
 
 
@@ -78,7 +80,7 @@ def reference_product(x: torch.Tensor, weights: torch.Tensor, block: int, mins: 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
 def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
-    """VNNI and portable loops agree to the bit, rows never depend on their batch, and both equal
+    """VNNI, AVX2 and portable loops agree to the bit, rows never depend on their batch, and all equal
     the float64 product of int8 activations with the file's exact weights up to float32 rounding."""
     rng = np.random.default_rng(7)
     n, k = 40, 1024
@@ -92,9 +94,10 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
     y = ext.block_linear(x, packed, kind, n, bias)
     expected = reference_product(x, weights, block_inputs(kind), block_minimums(raw, type_name)) + bias.double()
     assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
-    assert torch.equal(ext.block_linear(x, packed, kind, n, bias, True), y)
-    for i in (0, 3, 69):
-        assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias)[0], y[i])
+    for path in ext.block_quant_paths():
+        assert torch.equal(ext.block_linear(x, packed, kind, n, bias, path=path), y), path
+        for i in (0, 3, 69):
+            assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias, path=path)[0], y[i])
     strided = torch.zeros(70, k + 64)[:, :k]
     strided.copy_(x)
     assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)

@@ -26,6 +26,8 @@ SOURCES = ("paged_attention_cpu.cpp", "block_quant.cpp", "kquant.cpp", "gguf_rep
 # -ffp-contract=off: no fused multiply-adds, so vectorised and scalar loops round alike
 # (the kernel's results must not depend on how rows are tiled).
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
+AVX2_MARCH = "haswell"
+"""The oldest CPU our AVX2 loops run on; tests build for it to run the code a laptop without AVX-512 gets."""
 LDFLAGS = ("-fopenmp",)
 PREBUILT_NAME = "chatapp_cpu_kernels_prebuilt"
 """The module (and file) name of the build made at install time, beside this file."""
@@ -48,15 +50,18 @@ def build_key(torch_version: str) -> str:
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=6).hexdigest()
 
 
-def compile_extension(name: str, build_dir: Path):
-    """Compile and import the extension as module ``name`` (ninja, through torch's cpp_extension)."""
+def compile_extension(name: str, build_dir: Path, march: str = "native"):
+    """Compile and import the extension as module ``name`` (ninja, through torch's cpp_extension).
+
+    march: the CPU to build for; another than "native" is for tests (a build for an older CPU).
+    """
     from torch.utils.cpp_extension import load
 
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(
         name=name,
         sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=list(CFLAGS),
+        extra_cflags=[f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS],
         extra_ldflags=list(LDFLAGS),
         build_directory=str(build_dir),
         verbose=False,

@@ -135,7 +135,7 @@ class ModelRunner:
             self.quantization = "gguf"
             return load_gguf_native(source.gguf, self.mc, cfg.max_model_len, ext)
         if self.quantization == "gguf":
-            log.warning("the GGUF file's own types need our AVX-512 VNNI kernels; de-quantising to float32")
+            log.warning("the GGUF file's own types need our AVX2 or AVX-512 kernels; de-quantising to float32")
             self.quantization = None
         return load_gguf_float(source.gguf, self.mc, self.dtype, self.device, cfg.max_model_len)
 

@@ -19,6 +19,7 @@
 // Q8 tile bytes: 8 chunks of 64 (chunk j, byte 4c + i: channel c's input 4j + i, offset by 128),
 // then 16 fp16 scales. chatapp/engine/block_quant.py writes both.
 #include "block_quant.h"
+#include "avx2_dot.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -93,7 +95,7 @@ void quantize_rows(const at::Tensor& x, QuantizedActivations& a) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-constexpr bool kFast = true;
+constexpr bool kHasVnni = true;
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -168,10 +170,90 @@ void tiles_vnni(const QuantizedActivations& a, int64_t rows, int64_t k, const ui
   }
 }
 #else
-constexpr bool kFast = false;
+constexpr bool kHasVnni = false;
 #endif
 
-// The same arithmetic one value at a time, for CPUs without AVX-512 VNNI (correct, not fast).
+#if defined(CHATAPP_HAVE_AVX2)
+constexpr bool kHasAvx2 = true;
+
+// The VNNI loop's arithmetic on 256-bit registers, a tile's 16 channels as two halves of 8: the same
+// exact int32 block sums (dot4x8), then the same float steps in the same order, so every output has
+// the VNNI loop's bits. Q8's codes u = q + 128 are taken back to signed q and multiplied as |q| by
+// x with q's sign, which keeps maddubs within int16 and gives dot(u, x) - 128 * sum(x) directly.
+template <int kKind>
+void tiles_avx2(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+                int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr int64_t kTileBytes = kKind == kKindQ4 ? kQ4TileBytes : kKind == kKindQ8 ? kQ8TileBytes : kQ8MTileBytes;
+  constexpr bool kHasMin = kKind != kKindQ8;
+  constexpr int64_t kScaleOffset = kKind == kKindQ4 ? 256 : 512, kMinOffset = kKind == kKindQ4 ? 288 : 544;
+  constexpr int64_t kRows = 64, kAhead = 24;
+  const int64_t blocks = k / kQuantBlock;
+  alignas(32) float acc[kRows * kQuantTile];
+  const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = packed + t * blocks * kTileBytes;
+    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
+    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+      const int64_t count = std::min(kRows, rows - m0);
+      for (int64_t i = 0; i < count * kQuantTile; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = tile + b * kTileBytes;
+        for (int64_t off = 0; off < kTileBytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kTileBytes + off), _MM_HINT_T1);
+        for (int h = 0; h < 2; ++h) {  // channels 8h..8h+7: bytes 32h..32h+31 of every 64-byte chunk
+          __m256i w[8], sign[8];
+          if constexpr (kKind == kKindQ4) {
+            for (int j = 0; j < 4; ++j) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
+              w[j] = _mm256_and_si256(v, low4);
+              w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            }
+          } else {
+            for (int j = 0; j < 8; ++j) {
+              w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
+              if constexpr (kKind == kKindQ8) {
+                sign[j] = _mm256_xor_si256(w[j], flip);  // q = u - 128 as a signed byte
+                w[j] = _mm256_abs_epi8(sign[j]);         // |q| <= 128, read unsigned
+              }
+            }
+          }
+          const __m256 d = half8(blk + kScaleOffset + 16 * h);
+          const __m256 mins = kHasMin ? half8(blk + kMinOffset + 16 * h) : _mm256_setzero_ps();
+          for (int64_t r = 0; r < count; ++r) {
+            const int64_t row = m0 + r, rb = row * blocks + b;
+            const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
+            auto x4 = [&](int j) {
+              const __m256i x = broadcast4x8(xq + 4 * (j % 4) + 16 * (j / 4));
+              if constexpr (kKind == kKindQ8) return _mm256_sign_epi8(x, sign[j]);
+              return x;
+            };
+            __m256i s0 = dot4x8(_mm256_setzero_si256(), w[0], x4(0));
+            __m256i s1 = dot4x8(_mm256_setzero_si256(), w[4], x4(4));
+            s0 = dot4x8(s0, w[1], x4(1));
+            s1 = dot4x8(s1, w[5], x4(5));
+            s0 = dot4x8(s0, w[2], x4(2));
+            s1 = dot4x8(s1, w[6], x4(6));
+            s0 = dot4x8(s0, w[3], x4(3));
+            s1 = dot4x8(s1, w[7], x4(7));
+            float* out = acc + r * kQuantTile + 8 * h;
+            __m256 f = _mm256_load_ps(out);
+            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+                                _mm256_mul_ps(d, _mm256_set1_ps(a.scale[rb])), f);
+            if constexpr (kHasMin) f = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum[rb]), f);
+            _mm256_store_ps(out, f);
+          }
+        }
+      }
+      for (int64_t r = 0; r < count; ++r)
+        store_tile_outputs(acc + r * kQuantTile, y + (m0 + r) * n_out + n0, valid, bias ? bias + n0 : nullptr);
+    }
+  }
+}
+#else
+constexpr bool kHasAvx2 = false;
+#endif
+
+// The same arithmetic one value at a time, for CPUs without AVX2 (correct, not fast).
 template <int kKind>
 void tiles_portable(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
                     int64_t t1, float* y, int64_t n_out, const float* bias) {
@@ -214,7 +296,23 @@ void tiles_portable(const QuantizedActivations& a, int64_t rows, int64_t k, cons
 
 }  // namespace
 
-bool block_quant_fast() { return kFast; }
+bool block_quant_fast() { return kHasVnni || kHasAvx2; }
+
+std::vector<std::string> block_quant_paths() {
+  std::vector<std::string> paths;
+  if (kHasVnni) paths.push_back("vnni");
+  if (kHasAvx2) paths.push_back("avx2");
+  paths.push_back("portable");
+  return paths;
+}
+
+KernelPath kernel_path(const std::string& name) {
+  if (name == "best") return kHasVnni ? kPathVnni : kHasAvx2 ? kPathAvx2 : kPathPortable;
+  if (name == "portable") return kPathPortable;
+  TORCH_CHECK(name == "vnni" || name == "avx2", "unknown kernel path '", name, "' (best, vnni, avx2 or portable)");
+  TORCH_CHECK(name == "vnni" ? kHasVnni : kHasAvx2, "the ", name, " loop was not compiled into this build");
+  return name == "vnni" ? kPathVnni : kPathAvx2;
+}
 
 int64_t kind_tile_bytes(int64_t kind) {
   switch (kind) {
@@ -231,8 +329,9 @@ int64_t kind_tile_bytes(int64_t kind) {
 int64_t kind_block_inputs(int64_t kind) { return kind >= kKindQ4K ? kSuperBlock : kQuantBlock; }
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
-                        const std::optional<at::Tensor>& bias, bool portable) {
+                        const std::optional<at::Tensor>& bias, const std::string& path_name) {
   const int64_t tile_bytes = kind_tile_bytes(kind), block = kind_block_inputs(kind);
+  const KernelPath path = kernel_path(path_name);
   TORCH_CHECK(tile_bytes > 0, "unknown packed weight kind ", kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.dim() == 3,
@@ -248,24 +347,26 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
   float* yp = y.data_ptr<float>();
   const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
   if (kind >= kKindQ4K) {
-    kquant_linear(x, pp, tiles, kind, out_features, bp, yp, portable);
+    kquant_linear(x, pp, tiles, kind, out_features, bp, yp, path);
     return y;
   }
   static thread_local QuantizedActivations acts;
   quantize_rows(x, acts);
   const QuantizedActivations& a = acts;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    auto run = [&](auto kind_constant) {
+      constexpr int kKind = decltype(kind_constant)::value;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-    if (!portable) {
-      if (kind == kKindQ4) tiles_vnni<kKindQ4>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-      else if (kind == kKindQ8) tiles_vnni<kKindQ8>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-      else tiles_vnni<kKindQ8M>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-      return;
-    }
+      if (path == kPathVnni) return tiles_vnni<kKind>(a, rows, k, pp, t0, t1, yp, out_features, bp);
 #endif
-    if (kind == kKindQ4) tiles_portable<kKindQ4>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-    else if (kind == kKindQ8) tiles_portable<kKindQ8>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-    else tiles_portable<kKindQ8M>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+#if defined(CHATAPP_HAVE_AVX2)
+      if (path == kPathAvx2) return tiles_avx2<kKind>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+#endif
+      tiles_portable<kKind>(a, rows, k, pp, t0, t1, yp, out_features, bp);
+    };
+    if (kind == kKindQ4) run(std::integral_constant<int, kKindQ4>{});
+    else if (kind == kKindQ8) run(std::integral_constant<int, kKindQ8>{});
+    else run(std::integral_constant<int, kKindQ8M>{});
   });
   return y;
 }

@@ -2,7 +2,9 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <vector>
 
 // Block-quantized linear layers (see block_quant.cpp and kquant.cpp): weights in blocks of input channels
 // with their own scales, as llama.cpp's formats, packed in tiles of 16 output channels so one 512-bit
@@ -30,15 +32,22 @@ constexpr int64_t kQ6KTileBytes = 2048 + 1024 + 32 + 256; // 3360
 int64_t kind_tile_bytes(int64_t kind);          // 0 for an unknown kind
 int64_t kind_block_inputs(int64_t kind);        // 32 or 256
 
+// The loops that compute a packed linear. Every one compiled in gives the same bits (tests hold them to it).
+enum KernelPath : int64_t { kPathVnni = 0, kPathAvx2 = 1, kPathPortable = 2 };
+// "best" (the fastest compiled in) or a name from block_quant_paths() -> its loop; an error names a
+// loop this build lacks.
+KernelPath kernel_path(const std::string& name);
+// The loops compiled in, fastest first: "vnni" (AVX-512 VNNI), "avx2", "portable" (a plain loop, always).
+std::vector<std::string> block_quant_paths();
+
 // y [M, out_features] = x [M, K] @ W^T (+ bias); packed: uint8 [tiles, K / block, tile bytes]. Every row is
-// computed alike whatever else is in x (batch-invariant). portable: run the plain loop even where the VNNI
-// kernel exists (tests hold the two to the same bits).
+// computed alike whatever else is in x (batch-invariant). path: which loop (kernel_path's names).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
-                        const std::optional<at::Tensor>& bias, bool portable = false);
+                        const std::optional<at::Tensor>& bias, const std::string& path = "best");
 
 // The K kinds' kernel (kquant.cpp), called by block_linear.
 void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, int64_t kind, int64_t out_features,
-                   const float* bias, float* y, bool portable);
+                   const float* bias, float* y, KernelPath path);
 
 // A GGUF tensor's rows (uint8 [N, row bytes], as the file stores them) -> (packed, kind). Every weight is
 // kept exactly: no rounding happens here. ggml_type: the file's type id (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7,
@@ -49,5 +58,5 @@ std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_
                                             const std::optional<at::Tensor>& row_order,
                                             const std::optional<at::Tensor>& out);
 
-// True where the AVX-512 VNNI kernel was compiled in; elsewhere a portable (slow) loop runs.
+// True where a vector loop (AVX-512 VNNI or AVX2) was compiled in; elsewhere only the portable (slow) one.
 bool block_quant_fast();

@@ -335,11 +335,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU; float32 or float16 cache)");
   m.def("block_linear", &block_linear, "x @ W^T with W in a packed block-quantized kind (CPU, float32)",
         py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("out_features"), py::arg("bias") = py::none(),
-        py::arg("portable") = false);
+        py::arg("path") = "best");
   m.def("repack_gguf", &repack_gguf, "GGUF tensor rows -> (packed, kind), every weight exact", py::arg("raw"),
         py::arg("ggml_type"), py::arg("k"), py::arg("row_order") = py::none(), py::arg("out") = py::none());
-  m.def("block_quant_fast", &block_quant_fast, "whether the AVX-512 VNNI block kernel was compiled in");
-  py::class_<CpuModel>(m, "CpuModel")
+  m.def("block_quant_fast", &block_quant_fast, "whether a vector block kernel (AVX-512 VNNI or AVX2) was compiled in");
+  m.def("block_quant_paths", &block_quant_paths, "the block kernels' loops compiled in, fastest first");
+  py::class_<CpuModel>(m, "CpuModel", py::module_local())  // local: two builds (tests) can be loaded at once
       .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor>())
       .def("add_layer", &CpuModel::add_layer)
       .def("forward", &CpuModel::forward);

@@ -35,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "avx2_dot.h"
 #include "block_quant.h"
 
 namespace {
@@ -159,7 +160,6 @@ void tiles_portable(const SuperBlockActivations& a, int64_t rows, int64_t k, con
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-constexpr bool kFast = true;
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -339,15 +339,134 @@ void tiles_vnni(const SuperBlockActivations& a, int64_t rows, int64_t k, const u
     }
   }
 }
-#else
-constexpr bool kFast = false;
+#endif
+
+#if defined(CHATAPP_HAVE_AVX2)
+// The VNNI loops' arithmetic on 256-bit registers: a tile's 16 channels as two halves of 8 (bytes
+// 32h..32h+31 of every 64-byte chunk, and entries 8h..8h+7 of its scale arrays). The same exact integer
+// sums per super-block, then the same float steps in the same order: every output has the VNNI bits.
+template <int64_t kKind>
+inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], __m256i& sc0, __m256i& sc1,
+                            __m256i& mv) {
+  constexpr KindLayout L = layout_of(kKind);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
+  const uint8_t* codes = blk + 256 * g + 32 * h;
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
+    w[j] = _mm256_and_si256(v, low4);
+    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  }
+  if constexpr (kKind == kKindQ5K) {
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.high_offset + 64 * g + 32 * h));
+    for (int j = 0; j < 8; ++j) {  // register j's fifth bits are bit j of each byte
+      const __m256i moved = j < 4 ? _mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - j)) : _mm256_srl_epi16(hb, _mm_cvtsi32_si128(j - 4));
+      w[j] = _mm256_or_si256(w[j], _mm256_and_si256(moved, bit4));
+    }
+  }
+  if constexpr (kKind == kKindQ6K) {
+    for (int p = 0; p < 2; ++p) {  // register 4p + j's bits 4-5 are bits 2j..2j+1 of plane p's bytes
+      const __m256i hb =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.high_offset + 128 * g + 64 * p + 32 * h));
+      w[4 * p + 0] = _mm256_or_si256(w[4 * p + 0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bits45));
+      w[4 * p + 1] = _mm256_or_si256(w[4 * p + 1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bits45));
+      w[4 * p + 2] = _mm256_or_si256(w[4 * p + 2], _mm256_and_si256(hb, bits45));
+      w[4 * p + 3] = _mm256_or_si256(w[4 * p + 3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45));
+    }
+  }
+  mv = _mm256_setzero_si256();
+  if constexpr (kKind == kKindQ6K) {
+    sc0 = i8x8(blk + L.sc_offset + 32 * g + 8 * h);
+    sc1 = i8x8(blk + L.sc_offset + 32 * g + 16 + 8 * h);
+  } else {
+    sc0 = sc1 = u8x8(blk + L.sc_offset + 16 * g + 8 * h);
+    mv = u8x8(blk + L.m_offset + 16 * g + 8 * h);
+  }
+}
+
+inline __m256i dot_chain_avx2(const __m256i w[4], const int8_t* xq) {
+  __m256i s = dot4x8(_mm256_setzero_si256(), w[0], broadcast4x8(xq));
+  s = dot4x8(s, w[1], broadcast4x8(xq + 4));
+  s = dot4x8(s, w[2], broadcast4x8(xq + 8));
+  return dot4x8(s, w[3], broadcast4x8(xq + 12));
+}
+
+template <int64_t kKind>
+void tiles_avx2(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+                int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr KindLayout L = layout_of(kKind);
+  constexpr int64_t kRows = 32;
+  const int64_t blocks = k / kSuperBlock;
+  const int64_t ahead = rows == 1 ? 8 : 2;  // super-blocks prefetched into L2 (tiles_one_row_vnni says why)
+  alignas(32) float acc[kRows * kQuantTile];
+  alignas(32) int32_t isum[kRows * kQuantTile];
+  alignas(32) int32_t imin[kRows * kQuantTile];
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = packed + t * blocks * L.tile_bytes;
+    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
+    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+      const int64_t count = std::min(kRows, rows - m0);
+      for (int64_t i = 0; i < count * kQuantTile; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = tile + b * L.tile_bytes;
+        if (m0 == 0)
+          for (int64_t off = 0; off < L.tile_bytes; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * L.tile_bytes + off), _MM_HINT_T1);
+        for (int64_t i = 0; i < count * kQuantTile; i += 8) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(isum + i), _mm256_setzero_si256());
+          _mm256_store_si256(reinterpret_cast<__m256i*>(imin + i), _mm256_setzero_si256());
+        }
+        for (int64_t g = 0; g < 8; ++g)
+          for (int h = 0; h < 2; ++h) {
+            __m256i w[8], sc0, sc1, mv;
+            load_group_avx2<kKind>(blk, g, h, w, sc0, sc1, mv);
+            for (int64_t r = 0; r < count; ++r) {
+              const int64_t row = m0 + r;
+              const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
+              const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
+              __m256i s0 = dot_chain_avx2(w, xq), s1 = dot_chain_avx2(w + 4, xq + 16);
+              __m256i* is = reinterpret_cast<__m256i*>(isum + r * kQuantTile + 8 * h);
+              if constexpr (kKind == kKindQ6K) {
+                s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xs[0]));
+                s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * xs[1]));
+                *is = _mm256_add_epi32(*is, _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1)));
+              } else {
+                *is = _mm256_add_epi32(*is, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), sc0));
+                __m256i* im = reinterpret_cast<__m256i*>(imin + r * kQuantTile + 8 * h);
+                *im = _mm256_add_epi32(*im, _mm256_mullo_epi32(mv, _mm256_set1_epi32(xs[0] + xs[1])));
+              }
+            }
+          }
+        for (int h = 0; h < 2; ++h) {
+          const __m256 d = half8(blk + L.d_offset + 16 * h);
+          const __m256 dmin = kKind != kKindQ6K ? half8(blk + L.dmin_offset + 16 * h) : _mm256_setzero_ps();
+          for (int64_t r = 0; r < count; ++r) {
+            const __m256 dx = _mm256_set1_ps(a.scale[(m0 + r) * blocks + b]);
+            float* out = acc + r * kQuantTile + 8 * h;
+            const int64_t at = r * kQuantTile + 8 * h;
+            __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(isum + at))),
+                                       _mm256_mul_ps(d, dx), _mm256_load_ps(out));
+            if constexpr (kKind != kKindQ6K)
+              f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(imin + at))),
+                                   _mm256_mul_ps(dmin, dx), f);
+            _mm256_store_ps(out, f);
+          }
+        }
+      }
+      for (int64_t r = 0; r < count; ++r)
+        store_tile_outputs(acc + r * kQuantTile, y + (m0 + r) * n_out + n0, valid, bias ? bias + n0 : nullptr);
+    }
+  }
+}
 #endif
 
 template <int64_t kKind>
 void run_tiles(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
-               int64_t t1, float* y, int64_t n_out, const float* bias, bool portable) {
+               int64_t t1, float* y, int64_t n_out, const float* bias, KernelPath path) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-  if (!portable) return tiles_vnni<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
+  if (path == kPathVnni) return tiles_vnni<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
+#endif
+#if defined(CHATAPP_HAVE_AVX2)
+  if (path == kPathAvx2) return tiles_avx2<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
 #endif
   tiles_portable<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
 }
@@ -355,15 +474,14 @@ void run_tiles(const SuperBlockActivations& a, int64_t rows, int64_t k, const ui
 }  // namespace
 
 void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, int64_t kind, int64_t out_features,
-                   const float* bias, float* y, bool portable) {
-  (void)kFast;
+                   const float* bias, float* y, KernelPath path) {
   static thread_local SuperBlockActivations acts;
   quantize_superblock_rows(x, acts);
   const SuperBlockActivations& a = acts;
   const int64_t rows = x.size(0), k = x.size(1);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    if (kind == kKindQ4K) run_tiles<kKindQ4K>(a, rows, k, packed, t0, t1, y, out_features, bias, portable);
-    else if (kind == kKindQ5K) run_tiles<kKindQ5K>(a, rows, k, packed, t0, t1, y, out_features, bias, portable);
-    else run_tiles<kKindQ6K>(a, rows, k, packed, t0, t1, y, out_features, bias, portable);
+    if (kind == kKindQ4K) run_tiles<kKindQ4K>(a, rows, k, packed, t0, t1, y, out_features, bias, path);
+    else if (kind == kKindQ5K) run_tiles<kKindQ5K>(a, rows, k, packed, t0, t1, y, out_features, bias, path);
+    else run_tiles<kKindQ6K>(a, rows, k, packed, t0, t1, y, out_features, bias, path);
   });
 }

@@ -31,7 +31,13 @@
 namespace {
 
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead the cache blocks are fetched
-constexpr int kRowGroup = 8;  // query rows sharing each load of 16 keys (accumulators in registers)
+// Query rows sharing each load of 16 keys, their accumulators in registers: 8 with AVX-512's 32 vector
+// registers, 4 with AVX2's 16 (each 16-float vector takes two). Grouping never changes a row's arithmetic.
+#if !defined(CHATAPP_VEC_AVX2)
+constexpr int kRowGroup = 8;
+#else
+constexpr int kRowGroup = 4;
+#endif
 
 struct Task {
   int64_t request, kv_head, first_vector, num_vectors;
@@ -53,6 +59,7 @@ struct Geometry {
 template <int NV, typename T>
 inline void keys_chunk(const T* base, const Geometry& g, const float* const* qrow, const int64_t* last,
                        int64_t start, float scale, float* scores, int64_t stride) {
+#if !defined(CHATAPP_VEC_AVX2)
   v16 s[NV];
   for (int l = 0; l < NV; ++l) s[l] = splat(0.f);
   for (int64_t d = 0; d < g.D; ++d) {
@@ -61,6 +68,26 @@ inline void keys_chunk(const T* base, const Geometry& g, const float* const* qro
   }
   for (int l = 0; l < NV; ++l)
     if (start <= last[l]) store(scores + l * stride + start, s[l] * splat(scale));
+#else
+  // AVX2: the same fused multiply-adds on two 8-float halves (GCC's 16-float vectors spill here).
+  __m256 lo[NV], hi[NV];
+  for (int l = 0; l < NV; ++l) lo[l] = hi[l] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < g.D; ++d) {
+    __m256 klo, khi;
+    load_wide8x2(base + d * g.bs, klo, khi);
+    for (int l = 0; l < NV; ++l) {
+      const __m256 qd = _mm256_set1_ps(qrow[l][d]);
+      lo[l] = _mm256_fmadd_ps(qd, klo, lo[l]);
+      hi[l] = _mm256_fmadd_ps(qd, khi, hi[l]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int l = 0; l < NV; ++l)
+    if (start <= last[l]) {
+      _mm256_storeu_ps(scores + l * stride + start, _mm256_mul_ps(lo[l], sc));
+      _mm256_storeu_ps(scores + l * stride + start + 8, _mm256_mul_ps(hi[l], sc));
+    }
+#endif
 }
 
 // Scores of a tile's query rows, 16 keys per vector: keys of one block sit side by side in the
@@ -160,6 +187,35 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, 
       }
     }
   } else {
+#if defined(CHATAPP_VEC_AVX2)
+    // AVX2: the same chains on 8-float halves, so the accumulators stay in the 16 registers.
+    __m256 acc[R][2 * C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm256_setzero_ps();
+    int64_t end = 0;
+    for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1);
+    for (int64_t first = 0; first < end; first += g.bs) {
+      const T* slot0 = vp + static_cast<int64_t>(table[first / g.bs]) * g.bs * row + kv_head * g.D;
+      const int64_t n = std::min(g.bs, end - first);
+      for (int64_t ahead = first == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
+        if (first + ahead * g.bs < end)
+          prefetch_lines(vp + static_cast<int64_t>(table[first / g.bs + ahead]) * g.bs * row + kv_head * g.D,
+                         C * kLanes, g.bs, row);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = first + j;
+        const T* value = slot0 + j * row;
+        __m256 v[2 * C];
+        for (int c = 0; c < C; ++c) load_wide8x2(value + c * kLanes, v[2 * c], v[2 * c + 1]);
+        for (int r = 0; r < nr; ++r) {
+          if (p > last[r]) continue;
+          const __m256 wr = _mm256_set1_ps(w[r][p]);
+          for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm256_fmadd_ps(wr, v[c], acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < nr; ++r)
+      for (int c = 0; c < 2 * C; ++c) _mm256_storeu_ps(out[r] + 8 * c, acc[r][c]);
+#else
     v16 acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = splat(0.f);
@@ -186,6 +242,7 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, 
     }
     for (int r = 0; r < nr; ++r)
       for (int c = 0; c < C; ++c) store(out[r] + c * kLanes, acc[r][c]);
+#endif
   }
 }
 
@@ -260,6 +317,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
           w[r] = scores.data() + (g0 + r) * stride;
           dst[r] = op + (token[g0 + r] * g.H + head[g0 + r]) * g.D;
         }
+#if !defined(CHATAPP_VEC_AVX2)
         if (g.D == 64) {
           weighted_values<4, kGroup>(w, last + g0, nr, vp, table, task.kv_head, g, dst);
         } else if (g.D == 128) {
@@ -268,6 +326,20 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
         } else {
           weighted_values<0, 1>(w, last + g0, nr, vp, table, task.kv_head, g, dst);
         }
+#else
+        // 16 registers: two rows by 32 dimensions at a time (8 accumulators, 4 value registers). Each
+        // output element keeps its one chain over positions, so the bits are those of the wider tiling.
+        if (g.D % 32 == 0) {
+          for (int r = 0; r < nr; r += 2)
+            for (int64_t d0 = 0; d0 < g.D; d0 += 32) {
+              float* slice[2] = {dst[r] + d0, r + 1 < nr ? dst[r + 1] + d0 : nullptr};
+              weighted_values<2, 2>(w + r, last + g0 + r, std::min(2, nr - r), vp + d0, table, task.kv_head, g,
+                                    slice);
+            }
+        } else {
+          weighted_values<0, 1>(w, last + g0, nr, vp, table, task.kv_head, g, dst);
+        }
+#endif
       }
     }
   });

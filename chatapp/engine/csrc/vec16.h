@@ -97,6 +97,13 @@ inline v16 load_wide(const c10::Half* p) {
   v16 out;
   __builtin_memcpy(&out, &x, sizeof(out));
   return out;
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  v16 out;
+  __builtin_memcpy(&out, &lo, 32);
+  __builtin_memcpy(reinterpret_cast<char*>(&out) + 32, &hi, 32);
+  return out;
 #else
   v16 out;
   for (int i = 0; i < kLanes; ++i) out[i] = static_cast<float>(p[i]);
@@ -107,3 +114,19 @@ inline v16 load_wide(const c10::Half* p) {
 // float32 -> cache type, rounded to nearest even for halves (the one rounding a half cache adds).
 inline void narrow_to(float x, float* dst) { *dst = x; }
 inline void narrow_to(float x, c10::Half* dst) { *dst = c10::Half(x); }
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Where the widest registers are AVX2's 16 of 256 bits: GCC's 16-float vectors spill there in loops
+// that keep many of them live, so those loops (paged attention) take 8-float halves instead.
+#define CHATAPP_VEC_AVX2 1
+
+// 16 cache values as two 8-float halves (the AVX2 loops keep their accumulators in 256-bit registers).
+inline void load_wide8x2(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void load_wide8x2(const c10::Half* p, __m256& lo, __m256& hi) {
+  lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+#endif
