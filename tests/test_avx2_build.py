@@ -18,11 +18,6 @@ from chatapp.engine import LLM, SamplingParams, cpu_kernels, kernel_build
 from tests.gguf_blocks import BLOCK_TYPES, random_blocks
 from tests.gguf_models import write_llama_gguf
 
-# Kinds whose arithmetic uses only integer sums of the activation codes: the Haswell build's scalar
-# quantizer gives the same codes and scales as the AVX-512 one, so their results are the same bits.
-# The others (Q4_0, Q4_1, Q5_1) also use each block's float sum, added up in another order.
-INTEGER_ONLY = {"Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
-
 
 @pytest.fixture(scope="module")
 def haswell(tmp_path_factory: pytest.TempPathFactory):
@@ -59,17 +54,15 @@ def test_haswell_results_equal_the_native_builds(haswell, native, type_name: str
     y = haswell.block_linear(x, packed, kind, n, bias)
     assert torch.equal(haswell.block_linear(x, packed, kind, n, bias, path="portable"), y)
     assert torch.equal(haswell.block_linear(x[5:6].clone(), packed, kind, n, bias)[0], y[5])
-    there = native.block_linear(x, packed, kind, n, bias, path="avx2")
-    if type_name in INTEGER_ONLY:
-        assert torch.equal(y, there)
-    else:
-        assert torch.allclose(y, there, rtol=1e-5, atol=1e-5)
+    # The Haswell build's scalar quantizer gives the AVX-512 one's codes and scales, and every kind's
+    # arithmetic uses only them (integer sums, then float scales in a fixed order): the same bits.
+    assert torch.equal(y, native.block_linear(x, packed, kind, n, bias, path="avx2"))
 
 
 def test_a_q4_k_m_model_answers_alike_on_the_haswell_build(haswell, tmp_path: Path, monkeypatch) -> None:
     """The whole layer loop on the Haswell build (attention on 256-bit halves, the AVX2 K-quant loops)
     gives the native build's logits to the bit: every kernel keeps one arithmetic whatever the vector
-    width, and a Q4_K_M file's kinds use only integer sums of the activation codes."""
+    width, and every kind uses only the activation codes and scales, which both builds compute alike."""
     path = write_llama_gguf(tmp_path / "tiny-q4km.gguf", mix="Q4_K_M", seed=9)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = "The capital of France is"

