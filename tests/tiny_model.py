@@ -25,8 +25,12 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     init_std: float = 0.25,
     seed: int = 0,
+    **config_fields: object,
 ) -> Path:
-    """Write a random model of the given Llama-family architecture (HF format) to ``path``."""
+    """Write a random model of the given Llama-family architecture (HF format) to ``path``.
+
+    config_fields: anything else for the config class (rope scaling, partial rotary, ...).
+    """
     import transformers
 
     config_cls = {
@@ -34,6 +38,7 @@ def make_tiny_model(
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Phi3ForCausalLM": transformers.Phi3Config,
     }[arch]
     config = config_cls(
         vocab_size=49152,
@@ -51,6 +56,7 @@ def make_tiny_model(
         pad_token_id=2,
         rms_norm_eps=1e-5,
         sliding_window=None,
+        **config_fields,
     )
     config.architectures = [arch]
     torch.manual_seed(seed)

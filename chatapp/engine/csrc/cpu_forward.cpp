@@ -75,21 +75,23 @@ void rms_norm_heads(at::Tensor& qkv, int64_t first, int64_t count, int64_t d, co
     }
 }
 
-// Rotate heads [0, heads) of each row in place: x * cos + roll(x, d/2) * signed_sin (rope.py).
+// Rotate heads [0, heads) of each row in place: x * cos + roll(x, r/2) * signed_sin over the first r
+// dimensions, r the tables' width (rope.py; Phi-4-mini rotates 3/4 of each head), the rest untouched.
 void rope(at::Tensor& qkv, int64_t heads, int64_t d, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t rows = qkv.size(0), stride = qkv.stride(0), half = d / 2;
+  const int64_t rows = qkv.size(0), stride = qkv.stride(0), r = cos.size(-1), half = r / 2;
+  TORCH_CHECK(r <= d && r % 2 == 0 && cos.is_contiguous() && sin.is_contiguous(), "rope tables must be [T, <= D]");
   float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> rolled(d);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* c = cp + r * d;
-      const float* s = sp + r * d;
+    std::vector<float> rolled(r);
+    for (int64_t row = begin; row < end; ++row) {
+      const float* c = cp + row * r;
+      const float* s = sp + row * r;
       for (int64_t h = 0; h < heads; ++h) {
-        float* x = base + r * stride + h * d;
-        for (int64_t i = 0; i < d; ++i) rolled[i] = x[(i + d - half) % d];
-        for (int64_t i = 0; i < d; ++i) x[i] = x[i] * c[i] + rolled[i] * s[i];
+        float* x = base + row * stride + h * d;
+        for (int64_t i = 0; i < r; ++i) rolled[i] = x[(i + r - half) % r];
+        for (int64_t i = 0; i < r; ++i) x[i] = x[i] * c[i] + rolled[i] * s[i];
       }
     }
   });

@@ -16,8 +16,12 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4 (fused qkv and gate_up, LongRoPE, partial rotary)
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# Architectures whose attention Hugging Face limits to config.sliding_window at every layer. We do not
+# window attention yet, so their context is capped at the window: every answer stays exact.
+_WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
 
 
 class UnsupportedModelError(ValueError):
@@ -45,6 +49,12 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
     checkpoint_dtype: torch.dtype | None
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions that RoPE rotates (Phi-4-mini: 0.75)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (the first ones); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -96,22 +106,40 @@ def check_supported(hf_config: dict[str, Any]) -> str:
 
 
 def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from either the transformers 4 or the transformers 5 layout."""
+    """(theta, scaling) from either the transformers 4 or the transformers 5 layout.
+
+    LongRoPE (Phi-3) gets what its tables need in the one dict: original_max_position_embeddings
+    (Phi-3 configs keep it at the top level) and the factor that sets its attention scaling.
+    """
     params = hf.get("rope_parameters")
     if isinstance(params, dict):
         theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
         if scaling.get("rope_type", scaling.get("type", "default")) == "default":
             return theta, None
         scaling.setdefault("rope_type", scaling.get("type"))
-        return theta, scaling
-    scaling = hf.get("rope_scaling")
-    if scaling:
-        scaling = dict(scaling)
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf.get("rope_scaling") or {})
         scaling.setdefault("rope_type", scaling.get("type", "default"))
         if scaling["rope_type"] == "default":
-            scaling = None
-    return float(hf.get("rope_theta", 10000.0)), scaling
+            return theta, None
+    if scaling["rope_type"] in ("su", "yarn") and "short_factor" in scaling:  # Phi-3's older names
+        scaling["rope_type"] = "longrope"
+    if scaling["rope_type"] == "longrope":
+        original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        original = int(original or hf.get("max_position_embeddings") or 4096)
+        scaling["original_max_position_embeddings"] = original
+        if scaling.get("factor") is None:
+            scaling["factor"] = int(hf.get("max_position_embeddings") or original) / original
+    return theta, scaling
+
+
+def _partial_rotary_factor(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    return float(hf.get("partial_rotary_factor") or 1.0)
 
 
 def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
@@ -121,7 +149,7 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
     theta, scaling = _rope_params(hf)
     max_len = int(hf.get("max_position_embeddings") or 4096)
     window = hf.get("sliding_window")
-    uses_window = window and (arch == "MistralForCausalLM" or hf.get("use_sliding_window"))
+    uses_window = window and (arch in _WINDOWED or hf.get("use_sliding_window"))
     if uses_window:
         max_len = min(max_len, int(window))  # stay exact: we do not implement windowed attention
     eos = _eos_ids(hf.get("eos_token_id")) | _eos_ids((generation_config or {}).get("eos_token_id"))
@@ -146,6 +174,7 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
         eos_token_ids=frozenset(eos),
         bos_token_id=hf.get("bos_token_id"),
         checkpoint_dtype=_checkpoint_dtype(hf.get("torch_dtype") or hf.get("dtype")),
+        partial_rotary_factor=_partial_rotary_factor(hf),
     )
 
 

@@ -23,6 +23,7 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",  # Phi-3, Phi-3.5 and Phi-4 files all say "phi3"
 }
 # Architectures whose converter permuted q/k rows for llama.cpp's interleaved RoPE; our forward uses
 # Hugging Face's rotate-half layout, so their rows are put back (as transformers' GGUF loader does).
@@ -237,6 +238,11 @@ class GGUFModelFile:
             if self.field(key) is not None
         }
         bos = self.field("tokenizer.ggml.bos_token_id")
+        max_len = int(self.arch_field("context_length", 4096))
+        window = self.arch_field("attention.sliding_window")
+        if window and arch == "Phi3ForCausalLM":  # as config.py's _WINDOWED: exact within the window
+            max_len = min(max_len, int(window))
+        rotary_dim = int(self.arch_field("rope.dimension_count", head_dim))
         return ModelConfig(
             architecture=arch,
             vocab_size=vocab,
@@ -249,7 +255,7 @@ class GGUFModelFile:
             rms_norm_eps=float(self.arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(self.arch_field("rope.freq_base", 10000.0)),
             rope_scaling=self._rope_scaling(),
-            max_position_embeddings=int(self.arch_field("context_length", 4096)),
+            max_position_embeddings=max_len,
             tie_word_embeddings="output.weight" not in self.tensors,
             attention_bias="blk.0.attn_q.bias" in self.tensors,
             mlp_bias="blk.0.ffn_up.bias" in self.tensors,
@@ -257,9 +263,26 @@ class GGUFModelFile:
             eos_token_ids=frozenset(eos),
             bos_token_id=None if bos is None else int(bos),
             checkpoint_dtype=None,
+            partial_rotary_factor=rotary_dim / head_dim,
         )
 
+    def _float_values(self, name: str) -> tuple[float, ...]:
+        tensor = self.tensor(name)
+        if tensor.type_name != "F32":
+            raise GGUFError(f"tensor {name} is {tensor.type_name}, expected F32")
+        return tuple(float(f) for f in tensor.data.reshape(-1).view(np.float32))
+
     def _rope_scaling(self) -> dict[str, Any] | None:
+        if "rope_factors_long.weight" in self.tensors:  # Phi-3's LongRoPE: the converter stored both factor sets
+            original = int(self._required("rope.scaling.original_context_length"))
+            return {
+                "rope_type": "longrope",
+                "short_factor": self._float_values("rope_factors_short.weight"),
+                "long_factor": self._float_values("rope_factors_long.weight"),
+                "original_max_position_embeddings": original,
+                "factor": int(self.arch_field("context_length", original)) / original,
+                "attention_factor": self.arch_field("rope.scaling.attn_factor"),
+            }
         if "rope_freqs.weight" in self.tensors:  # Llama 3.1+: the converter stored the frequency factors
             factors = self.tensor("rope_freqs.weight").data.reshape(-1).view(np.float32)
             return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}

@@ -97,8 +97,11 @@ class _Loader:
     def projections(self, layer: int, kind: str) -> list[tuple[str, int, int | None]]:
         """(tensor name, rows, rope heads to un-permute) of a fused projection's parts."""
         mc, p = self.mc, f"blk.{layer}."
+        tensors = self.gguf.tensors
         if kind == "qkv":
             kv = mc.num_kv_heads * mc.head_dim
+            if p + "attn_qkv.weight" in tensors:  # Phi-3: one fused tensor, q then k then v
+                return [(p + "attn_qkv.weight", mc.num_heads * mc.head_dim + 2 * kv, None)]
             return [
                 (p + "attn_q.weight", mc.num_heads * mc.head_dim, mc.num_heads),
                 (p + "attn_k.weight", kv, mc.num_kv_heads),
@@ -107,6 +110,8 @@ class _Loader:
         if kind == "o":
             return [(p + "attn_output.weight", mc.hidden_size, None)]
         if kind == "gate_up":
+            if p + "ffn_gate.weight" not in tensors and p + "ffn_up.weight" in tensors:
+                return [(p + "ffn_up.weight", 2 * mc.intermediate_size, None)]  # Phi-3: gate then up, fused
             return [
                 (p + "ffn_gate.weight", mc.intermediate_size, None),
                 (p + "ffn_up.weight", mc.intermediate_size, None),

@@ -1,7 +1,8 @@
-"""Our forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""Our forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3/Phi-4).
 
 The differences between these are small and are flags here: q/k/v biases
-(Qwen2), per-head RMSNorm of q and k (Qwen3), tied embeddings. Attention reads
+(Qwen2), per-head RMSNorm of q and k (Qwen3), tied embeddings, RoPE on part of
+each head and LongRoPE tables (Phi; rope.py). Attention reads
 and writes the engine's paged KV cache through an attention backend; the
 q/k/v and gate/up projections are fused into one matmul each.
 """
@@ -117,7 +118,9 @@ class LlamaForCausalLM(nn.Module):
 
     def build_rope(self, dtype: torch.dtype, device: torch.device) -> None:
         mc = self.config
-        self.rope = RotaryEmbedding(mc.head_dim, self.max_positions, mc.rope_theta, mc.rope_scaling, dtype, device)
+        self.rope = RotaryEmbedding(
+            mc.head_dim, self.max_positions, mc.rope_theta, mc.rope_scaling, dtype, device, mc.rotary_dim
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

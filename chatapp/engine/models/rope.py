@@ -8,8 +8,18 @@ from typing import Any
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inverse_frequencies(
+    rotary_dim: int, theta: float, scaling: dict[str, Any] | None, long: bool = False
+) -> torch.Tensor:
+    """Each rotated pair's frequency, as Hugging Face computes it (float32 throughout).
+
+    long: LongRoPE's long-context factors instead of its short ones (other types ignore it).
+    """
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     kind = scaling["rope_type"]
@@ -32,6 +42,16 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
+def attention_scaling(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by (LongRoPE keeps attention's sharpness at long range); else 1."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = float(scaling["factor"]), int(scaling["original_max_position_embeddings"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed tables; a step looks up its positions once and every layer reuses them.
 
@@ -48,21 +68,35 @@ class RotaryEmbedding(torch.nn.Module):
         scaling: dict[str, Any] | None,
         dtype: torch.dtype,
         device: torch.device,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim or head_dim
+        positions = torch.arange(max_positions, dtype=torch.float32)
         # float32 throughout, as Hugging Face computes it, so positions rotate identically.
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        cos, sin = freqs.cos(), freqs.sin()
-        self.half = head_dim // 2
+        freqs = torch.outer(positions, inverse_frequencies(self.rotary_dim, theta, scaling).float())
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            # Positions past the pretraining length take the long factors, earlier ones the short: a
+            # position's rotation never depends on what else is in the batch or how a prompt was
+            # chunked. (Hugging Face switches a whole forward pass to the long factors once its
+            # longest sequence passes that length; below it, the two agree.)
+            long = torch.outer(positions, inverse_frequencies(self.rotary_dim, theta, scaling, long=True).float())
+            past = positions[:, None] >= scaling["original_max_position_embeddings"]
+            freqs = torch.where(past, long, freqs)
+        scale = attention_scaling(scaling)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        self.half = self.rotary_dim // 2
         self.register_buffer("cos", torch.cat((cos, cos), -1).to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("signed_sin", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed_sin) shaped [T, 1, D] for a step's positions."""
+        """(cos, signed_sin) shaped [T, 1, rotary_dim] for a step's positions."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
     def rotate(self, x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate x [T, heads, D] by the looked-up table."""
+        """Rotate x [T, heads, D] by the looked-up table (its first rotary_dim dimensions; the rest pass)."""
         cos, sin = table
-        return x * cos + x.roll(self.half, dims=-1) * sin
+        if self.rotary_dim == x.shape[-1]:
+            return x * cos + x.roll(self.half, dims=-1) * sin
+        rot = x[..., : self.rotary_dim]
+        return torch.cat((rot * cos + rot.roll(self.half, dims=-1) * sin, x[..., self.rotary_dim :]), dim=-1)
