@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
@@ -146,6 +147,103 @@ def write_llama_gguf(
             ("ffn_down", shape.hidden, shape.intermediate),
         ):
             quantized(p + name + ".weight", rows, cols, tensor_type(name, i, mix))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# Hugging Face architecture -> llama.cpp's GGUF architecture name, for write_hf_model_gguf.
+_GGUF_ARCH = {"Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+
+
+def write_hf_model_gguf(model_dir: Path, path: Path, type_name: str) -> Path:
+    """A Hugging Face checkpoint (Phi-3, Gemma 2/3) as llama.cpp's converter lays out its GGUF file:
+    its tensor names, fused Phi-3 projections, LongRoPE factor tensors, Gemma norms with their 1
+    added; projections and embeddings in ``type_name`` (F32, or a type `gguf` can quantize)."""
+    import json
+
+    from gguf import quants
+    from safetensors.torch import load_file
+
+    hf = json.loads((model_dir / "config.json").read_text())
+    hf_arch = hf["architectures"][0]
+    arch = _GGUF_ARCH[hf_arch]
+    gemma = arch.startswith("gemma")
+    weights = {
+        k.removeprefix("model."): v.float().numpy() for k, v in load_file(model_dir / "model.safetensors").items()
+    }
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rope = hf.get("rope_parameters") or {}
+    global_rope = rope.get("full_attention", rope)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(hf["num_hidden_layers"])
+    writer.add_context_length(hf["max_position_embeddings"])
+    writer.add_embedding_length(hf["hidden_size"])
+    writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(hf["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    writer.add_rope_freq_base(global_rope.get("rope_theta", 10000.0))
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_vocab_size(hf["vocab_size"])
+    if global_rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(global_rope["factor"])
+    if rope.get("rope_type") == "longrope":
+        original = hf["original_max_position_embeddings"]
+        factor = hf["max_position_embeddings"] / original
+        writer.add_key_value(f"{arch}.rope.scaling.original_context_length", original, GGUFValueType.UINT32)
+        attn_factor = float(np.sqrt(1 + np.log(factor) / np.log(original)))
+        writer.add_key_value(f"{arch}.rope.scaling.attn_factor", attn_factor, GGUFValueType.FLOAT32)
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    if gemma:
+        writer.add_sliding_window(hf["sliding_window"])
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf.get(key) is not None:
+                writer.add_key_value(f"{arch}.{key}", float(hf[key]), GGUFValueType.FLOAT32)
+    for key, (value, main, sub) in bundled_tokenizer_fields().items():
+        writer.add_key_value(key, value, main, sub_type=sub)
+
+    def put(name: str, values: np.ndarray) -> None:
+        if type_name == "F32":
+            writer.add_tensor(name, np.ascontiguousarray(values, dtype=np.float32))
+            return
+        qtype = GGMLQuantizationType[type_name]
+        writer.add_tensor(name, quants.quantize(np.ascontiguousarray(values, dtype=np.float32), qtype), raw_dtype=qtype)
+
+    def norm(name: str, values: np.ndarray) -> None:
+        writer.add_tensor(name, np.ascontiguousarray(values + (1.0 if gemma else 0.0), dtype=np.float32))
+
+    put("token_embd.weight", weights["embed_tokens.weight"])
+    norm("output_norm.weight", weights["norm.weight"])
+    if "lm_head.weight" in weights:
+        put("output.weight", weights["lm_head.weight"])
+    for i in range(hf["num_hidden_layers"]):
+        src, dst = f"layers.{i}.", f"blk.{i}."
+        norm(dst + "attn_norm.weight", weights[src + "input_layernorm.weight"])
+        put(dst + "attn_output.weight", weights[src + "self_attn.o_proj.weight"])
+        put(dst + "ffn_down.weight", weights[src + "mlp.down_proj.weight"])
+        if not gemma:  # Phi-3: fused projections
+            norm(dst + "ffn_norm.weight", weights[src + "post_attention_layernorm.weight"])
+            put(dst + "attn_qkv.weight", weights[src + "self_attn.qkv_proj.weight"])
+            put(dst + "ffn_up.weight", weights[src + "mlp.gate_up_proj.weight"])
+            continue
+        norm(dst + "post_attention_norm.weight", weights[src + "post_attention_layernorm.weight"])
+        norm(dst + "ffn_norm.weight", weights[src + "pre_feedforward_layernorm.weight"])
+        norm(dst + "post_ffw_norm.weight", weights[src + "post_feedforward_layernorm.weight"])
+        for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
+            put(dst + ours + ".weight", weights[src + f"self_attn.{theirs}.weight"])
+        if src + "self_attn.q_norm.weight" in weights:
+            norm(dst + "attn_q_norm.weight", weights[src + "self_attn.q_norm.weight"])
+            norm(dst + "attn_k_norm.weight", weights[src + "self_attn.k_norm.weight"])
+        put(dst + "ffn_gate.weight", weights[src + "mlp.gate_proj.weight"])
+        put(dst + "ffn_up.weight", weights[src + "mlp.up_proj.weight"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -212,8 +212,8 @@ def test_wrong_shapes_and_architectures_are_named(tmp_path: Path) -> None:
     with pytest.raises(GGUFError, match=r"tensor blk\.0\.attn_k\.weight has shape \(128, 256\), expected \(64, 256\)"):
         LLM(str(bad), kv_cache_memory_gib=0.02)
 
-    other = tmp_path / "gemma.gguf"
-    writer = GGUFWriter(str(other), "gemma3")
+    other = tmp_path / "mamba.gguf"
+    writer = GGUFWriter(str(other), "mamba")
     for key_name, (value, main, sub) in bundled_tokenizer_fields().items():
         writer.add_key_value(key_name, value, main, sub_type=sub)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
@@ -221,7 +221,7 @@ def test_wrong_shapes_and_architectures_are_named(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="'gemma3' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="'mamba' is not supported"):
         LLM(str(other), kv_cache_memory_gib=0.02)
 
 

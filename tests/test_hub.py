@@ -258,8 +258,8 @@ def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) ->
         {"tiny-Q8_0.gguf": small, "tiny-F16.gguf": other, "README.md": b"hi"},
         info={"gguf": {"total": 128, "architecture": "llama", "context_length": 2048}},
     )
-    phi = tiny_gguf(tmp_path / "phi.gguf", arch="phi3", rows=32).read_bytes()
-    hub.add_repo("tiny/phi-gguf", {"phi-Q4.gguf": phi}, info={"gguf": {"total": 128, "architecture": "phi3"}})
+    mamba = tiny_gguf(tmp_path / "mamba.gguf", arch="mamba", rows=32).read_bytes()
+    hub.add_repo("tiny/mamba-gguf", {"mamba-Q4.gguf": mamba}, info={"gguf": {"total": 128, "architecture": "mamba"}})
 
     code, out, err = run_cli("models", "pull", "tiny/gguf:tiny-Q8_0.gguf")
     assert code == 0, err
@@ -270,13 +270,13 @@ def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) ->
     row = next(line for line in out.splitlines() if line.startswith("tiny/gguf:tiny-Q8_0.gguf"))
     assert "F16" in row and "2048" in row and row.rstrip().endswith("ok")
 
-    code, _, err = run_cli("models", "pull", "tiny/phi-gguf:phi-Q4.gguf")
-    assert code == 1 and "'phi3' is not supported" in err
-    assert hub.served("phi-Q4.gguf") == []
+    code, _, err = run_cli("models", "pull", "tiny/mamba-gguf:mamba-Q4.gguf")
+    assert code == 1 and "'mamba' is not supported" in err
+    assert hub.served("mamba-Q4.gguf") == []
 
     # Without the Hub's GGUF summary the file's own header is checked once it is here.
     hub.add_repo(
-        "tiny/plain-gguf", {"a.gguf": small, "b.gguf": tiny_gguf(tmp_path / "b.gguf", arch="phi3").read_bytes()}
+        "tiny/plain-gguf", {"a.gguf": small, "b.gguf": tiny_gguf(tmp_path / "b.gguf", arch="mamba").read_bytes()}
     )
     code, out, err = run_cli("models", "pull", "tiny/plain-gguf:a.gguf")
     assert code == 0 and "memory: fits" in out, err
@@ -349,12 +349,14 @@ def test_search_lists_runnable_text_generation_models_with_a_memory_label(hub: F
             "safetensors": {"parameters": {"F32": 124_000_000}, "total": 124_000_000},
         },
     )
-    hub.add_repo("org/phi-gguf", {}, info={"downloads": 900, "gguf": {"total": 3_800_000_000, "architecture": "phi3"}})
+    hub.add_repo(
+        "org/mamba-gguf", {}, info={"downloads": 900, "gguf": {"total": 3_800_000_000, "architecture": "mamba"}}
+    )
     hub.add_repo("org/llama-vision", {}, info={"downloads": 5000, "pipeline_tag": "image-text-to-text"})
 
     results = search_models("", limit=10, available_bytes=16 << 30)
     by_id = {r.repo_id: r for r in results}
-    assert "org/gpt2" not in by_id and "org/phi-gguf" not in by_id and "org/llama-vision" not in by_id
+    assert "org/gpt2" not in by_id and "org/mamba-gguf" not in by_id and "org/llama-vision" not in by_id
     assert [r.repo_id for r in results if r.repo_id.startswith("org/")] == [
         "org/small-llama",
         "org/mid-qwen",

@@ -39,8 +39,10 @@ def make_tiny_model(
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
         "Phi3ForCausalLM": transformers.Phi3Config,
+        "Gemma2ForCausalLM": transformers.Gemma2Config,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[arch]
-    config = config_cls(
+    fields = dict(
         vocab_size=49152,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -56,8 +58,8 @@ def make_tiny_model(
         pad_token_id=2,
         rms_norm_eps=1e-5,
         sliding_window=None,
-        **config_fields,
     )
+    config = config_cls(**{**fields, **config_fields})
     config.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.float32)

@@ -37,6 +37,28 @@ class AttentionMetadata:
         return len(self.query_lens_cpu)
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends: its scale, its window (None: every earlier key; else a query sees its
+    own key and the window - 1 before it) and soft-cap of the scores (cap * tanh(s / cap))."""
+
+    scale: float
+    window: int | None = None
+    softcap: float | None = None
+
+
+def layer_attention(mc) -> list[LayerAttention]:
+    """Each layer's attention, from a ModelConfig (Gemma's local layers have a window)."""
+    return [
+        LayerAttention(
+            mc.attention_scale,
+            mc.sliding_window if mc.layer_is_local(i) else None,
+            mc.attn_logit_softcapping,
+        )
+        for i in range(mc.num_layers)
+    ]
+
+
 class AttentionBackend(Protocol):
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Precompute whatever this backend needs for the step (called once, before the forward)."""
@@ -54,13 +76,19 @@ class TorchAttentionBackend:
     instead (chatapp/engine/csrc); this backend is the reference and fallback.
     """
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        num_heads: int,
+        head_dim: int,
+        layers: list[LayerAttention] | None = None,
+    ) -> None:
         self.kv_caches = kv_caches
         self.block_size = kv_caches[0][0].shape[1]
         self.num_kv_heads = kv_caches[0][0].shape[2]
         self.num_heads = num_heads
         self.group = num_heads // self.num_kv_heads
-        self.scale = head_dim**-0.5
+        self.layers = layers or [LayerAttention(head_dim**-0.5)] * len(kv_caches)
         self._meta: AttentionMetadata | None = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
@@ -70,21 +98,20 @@ class TorchAttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
         _store(k_cache, v_cache, k, v, self._meta.slot_mapping)
-        return self._forward_sdpa(q, k_cache, v_cache)
+        return self._forward_sdpa(q, k_cache, v_cache, self.layers[layer])
 
     def _prepare_sdpa(self, meta: AttentionMetadata) -> None:
+        """The step's block tables and key positions; masks are made per window as layers ask."""
         device = meta.block_tables.device
-        bs, g = self.block_size, self.group
+        bs = self.block_size
         nd = meta.num_decodes
         self._num_decode_tokens = nd
         self._decode = None
         self._prefill = None
+        self._masks: dict[int | None, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         if nd:
-            seq_lens = meta.seq_lens[:nd]
             num_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
-            keys = torch.arange(num_blocks * bs, device=device)
-            mask = (keys[None, :] < seq_lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
-            self._decode = (meta.block_tables[:nd, :num_blocks].long(), mask)
+            self._decode = (meta.block_tables[:nd, :num_blocks].long(), meta.seq_lens[:nd])
         if nd < meta.num_requests:
             q_lens = meta.query_lens_cpu[nd:]
             s_lens = meta.seq_lens_cpu[nd:]
@@ -93,13 +120,9 @@ class TorchAttentionBackend:
             q_len_t = torch.tensor(q_lens, device=device)
             start_t = torch.tensor(s_lens, device=device) - q_len_t  # cached tokens before the chunk
             rows = torch.arange(max_q, device=device)
-            keys = torch.arange(num_blocks * bs, device=device)
-            mask = keys[None, None, :] <= (start_t[:, None, None] + rows[None, :, None])  # causal, bottom-right
             pad_rows = rows[None, :] >= q_len_t[:, None]
-            mask[:, :, 0] |= pad_rows  # a padded query row attends somewhere, so it stays finite
-            bp = len(q_lens)
-            mask = mask[:, None, None].expand(bp, 1, g, max_q, num_blocks * bs).reshape(bp, 1, g * max_q, -1)
             gather = None
+            bp = len(q_lens)
             if bp > 1:
                 starts = [0]
                 for n in q_lens[:-1]:
@@ -107,29 +130,64 @@ class TorchAttentionBackend:
                 offsets = torch.tensor(starts, device=device)
                 index = (offsets[:, None] + rows[None, :]).clamp(max=sum(q_lens) - 1)  # [Bp, max_q]
                 gather = (index, ~pad_rows)
-            self._prefill = (meta.block_tables[nd:, :num_blocks].long(), mask, max_q, gather)
+            positions = start_t[:, None] + rows[None, :]  # [Bp, max_q]: each query row's position
+            self._prefill = (meta.block_tables[nd:, :num_blocks].long(), positions, pad_rows, max_q, gather)
 
-    def _forward_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _mask(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(decode mask [Bd, 1, 1, L], prefill mask [Bp, 1, G * max_q, L]) for a window, made once a step."""
+        if window in self._masks:
+            return self._masks[window]
+        bs, g = self.block_size, self.group
+        decode = prefill = None
+        if self._decode is not None:
+            tables, seq_lens = self._decode
+            keys = torch.arange(tables.shape[1] * bs, device=tables.device)
+            visible = keys[None, :] < seq_lens[:, None]
+            if window is not None:  # the query sits at seq_len - 1
+                visible &= keys[None, :] > seq_lens[:, None] - 1 - window
+            decode = visible[:, None, None, :]
+        if self._prefill is not None:
+            tables, positions, pad_rows, max_q, _ = self._prefill
+            keys = torch.arange(tables.shape[1] * bs, device=tables.device)
+            visible = keys[None, None, :] <= positions[:, :, None]  # causal, bottom-right
+            if window is not None:
+                visible &= keys[None, None, :] > positions[:, :, None] - window
+            visible[:, :, 0] |= pad_rows  # a padded query row attends somewhere, so it stays finite
+            bp = visible.shape[0]
+            prefill = visible[:, None, None].expand(bp, 1, g, max_q, visible.shape[-1]).reshape(bp, 1, g * max_q, -1)
+        self._masks[window] = (decode, prefill)
+        return decode, prefill
+
+    def _forward_sdpa(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spec: LayerAttention
+    ) -> torch.Tensor:
         nd = self._num_decode_tokens
+        decode_mask, prefill_mask = self._mask(spec.window)
         if self._prefill is None:
-            tables, mask = self._decode
-            return self._attend(q.unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
+            tables, _ = self._decode
+            return self._attend(q.unsqueeze(1), k_cache, v_cache, tables, decode_mask, spec).squeeze(1)
         out = torch.empty_like(q)
         if self._decode is not None:
-            tables, mask = self._decode
-            out[:nd] = self._attend(q[:nd].unsqueeze(1), k_cache, v_cache, tables, mask).squeeze(1)
-        tables, mask, max_q, gather = self._prefill
+            tables, _ = self._decode
+            out[:nd] = self._attend(q[:nd].unsqueeze(1), k_cache, v_cache, tables, decode_mask, spec).squeeze(1)
+        tables, _, _, _, gather = self._prefill
         qp = q[nd:]
         if gather is None:
-            out[nd:] = self._attend(qp.unsqueeze(0), k_cache, v_cache, tables, mask).squeeze(0)
+            out[nd:] = self._attend(qp.unsqueeze(0), k_cache, v_cache, tables, prefill_mask, spec).squeeze(0)
         else:
             index, valid = gather
-            padded = self._attend(qp[index], k_cache, v_cache, tables, mask)  # [Bp, max_q, H, D]
+            padded = self._attend(qp[index], k_cache, v_cache, tables, prefill_mask, spec)  # [Bp, max_q, H, D]
             out[nd:] = padded[valid]
         return out
 
     def _attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        mask: torch.Tensor,
+        spec: LayerAttention,
     ) -> torch.Tensor:
         """q [B, Lq, H, D] over the blocks in ``tables`` [B, nb] -> [B, Lq, H, D]."""
         b, lq, h, d = q.shape
@@ -140,7 +198,13 @@ class TorchAttentionBackend:
         keys = k_cache.index_select(0, flat_tables).view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
         values = v_cache.index_select(0, flat_tables).view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
         qg = q.view(b, lq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * lq, d)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        if spec.softcap is None:
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=spec.scale)
+        else:  # Gemma 2: scores soft-capped before the mask and softmax (as Hugging Face's eager path)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * spec.scale
+            scores = torch.tanh(scores / spec.softcap) * spec.softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
         return o.view(b, hkv, g, lq, d).permute(0, 3, 1, 2, 4).reshape(b, lq, h, d)
 
 

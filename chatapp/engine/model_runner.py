@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend
+from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend, layer_attention
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
 from chatapp.engine.models.config import ModelConfig
@@ -101,8 +101,9 @@ class ModelRunner:
         self.sampler = Sampler()
         if self.quantization != "gguf":
             self._quantize(ext, source.path)
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
-        self.cpu_forward = self._build_cpu_forward(ext)
+        cpu_loop = ext is not None and not self.mc.is_gemma  # the C++ layer loop runs the Llama family
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=cpu_loop)
+        self.cpu_forward = self._build_cpu_forward(ext) if cpu_loop else None
         self.attn = None if self.cpu_forward is not None else self._make_attention_backend()
 
     # -- set-up -------------------------------------------------------------
@@ -256,7 +257,7 @@ class ModelRunner:
         ids = [i for i in ids if i < self.mc.vocab_size][: self.config.max_model_len]
         n = len(ids)
         scratch = self._allocate_kv_caches(-(-n // self.block_size))
-        attn = TorchAttentionBackend(scratch, self.mc.num_heads, self.mc.head_dim)
+        attn = TorchAttentionBackend(scratch, self.mc.num_heads, self.mc.head_dim, layer_attention(self.mc))
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
@@ -273,11 +274,11 @@ class ModelRunner:
 
     def _make_attention_backend(self, kv_caches=None):
         kv_caches = kv_caches if kv_caches is not None else self.kv_caches
-        if self.config.attention_backend == "triton":
+        if self.config.attention_backend == "triton" and not self.mc.is_gemma:  # no windows in Triton yet
             from chatapp.engine.attention_triton import TritonAttentionBackend
 
             return TritonAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim)
-        return TorchAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim)
+        return TorchAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim, layer_attention(self.mc))
 
     # -- one step -----------------------------------------------------------
 

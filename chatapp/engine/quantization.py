@@ -211,7 +211,7 @@ def _smooth(model: LlamaForCausalLM, maxima: dict[str, torch.Tensor], head_weigh
         layer.input_layernorm.weight.div_(s)
         attn.qkv_proj.weight.mul_(s)
         s = _factor(maxima[f"{prefix}.mlp.gate_up_proj"], mlp.gate_up_proj.weight)
-        layer.post_attention_layernorm.weight.div_(s)
+        layer.mlp_input_norm.weight.div_(s)
         mlp.gate_up_proj.weight.mul_(s)
         s = _factor(maxima[f"{prefix}.mlp.down_proj"], mlp.down_proj.weight)  # absorbed by the up projection
         mlp.gate_up_proj.weight[mc.intermediate_size :].div_(s[:, None])

@@ -17,8 +17,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4 (fused qkv and gate_up, LongRoPE, partial rotary)
+    "Gemma2ForCausalLM",  # local/global layers, sandwich norms, GeGLU, logit soft-capping
+    "Gemma3ForCausalLM",  # Gemma 3 text (1B; GGUF files of every size): q/k norms, two RoPE bases
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # Architectures whose attention Hugging Face limits to config.sliding_window at every layer. We do not
 # window attention yet, so their context is capped at the window: every answer stays exact.
 _WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
@@ -50,11 +53,30 @@ class ModelConfig:
     bos_token_id: int | None
     checkpoint_dtype: torch.dtype | None
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions that RoPE rotates (Phi-4-mini: 0.75)
+    # Gemma 2 / 3 (models/gemma.py); the defaults are the Llama family's.
+    sliding_window: int | None = None  # keys a local layer sees: its own and the window - 1 before
+    local_layers: tuple[bool, ...] = ()  # per layer: sliding-window (local) attention
+    local_rope_theta: float | None = None  # the local layers' RoPE base (Gemma 3), unscaled
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim's)
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    norm_weight_offset: float = 0.0  # checkpoint norm weights w stand for w + offset (Gemma: 1)
 
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head that RoPE rotates (the first ones); the rest pass through."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    def layer_is_local(self, layer: int) -> bool:
+        return bool(self.local_layers) and self.local_layers[layer]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -108,8 +130,8 @@ def check_supported(hf_config: dict[str, Any]) -> str:
 def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from either the transformers 4 or the transformers 5 layout.
 
-    LongRoPE (Phi-3) gets what its tables need in the one dict: original_max_position_embeddings
-    (Phi-3 configs keep it at the top level) and the factor that sets its attention scaling.
+    LongRoPE (Phi-3) and YaRN (Qwen) get what their tables need in the one dict:
+    original_max_position_embeddings (Phi-3 configs keep it at the top level) and the factor.
     """
     params = hf.get("rope_parameters")
     if isinstance(params, dict):
@@ -126,7 +148,7 @@ def _rope_params(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             return theta, None
     if scaling["rope_type"] in ("su", "yarn") and "short_factor" in scaling:  # Phi-3's older names
         scaling["rope_type"] = "longrope"
-    if scaling["rope_type"] == "longrope":
+    if scaling["rope_type"] in ("longrope", "yarn"):
         original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
         original = int(original or hf.get("max_position_embeddings") or 4096)
         scaling["original_max_position_embeddings"] = original
@@ -142,18 +164,60 @@ def _partial_rotary_factor(hf: dict[str, Any]) -> float:
     return float(hf.get("partial_rotary_factor") or 1.0)
 
 
+def _gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's extra fields, from the transformers 4 or 5 config layout."""
+    layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types")
+    if not layer_types:  # older configs: every n-th layer is global
+        pattern = int(hf.get("sliding_window_pattern") or (6 if arch == "Gemma3ForCausalLM" else 2))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+        theta = float(full.pop("rope_theta", 10000.0))
+        kind = full.get("rope_type", full.get("type", "default"))
+        scaling = None if kind == "default" else {**full, "rope_type": kind}
+        local_theta = float(local.get("rope_theta", 10000.0))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(f"{arch} with rope scaling {kind!r} is not supported")
+    else:
+        theta, scaling = _rope_params(hf)
+        local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"{arch} with activation {activation!r} is not supported")
+    caps = {key: hf.get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "sliding_window": int(hf["sliding_window"]) if hf.get("sliding_window") else None,
+        "local_layers": tuple(t == "sliding_attention" for t in layer_types),
+        "local_rope_theta": local_theta if arch == "Gemma3ForCausalLM" else None,
+        "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 256),
+        "attn_logit_softcapping": None
+        if caps["attn_logit_softcapping"] is None
+        else float(caps["attn_logit_softcapping"]),
+        "final_logit_softcapping": None
+        if caps["final_logit_softcapping"] is None
+        else float(caps["final_logit_softcapping"]),
+        "norm_weight_offset": 1.0,
+        "qk_norm": arch == "Gemma3ForCausalLM",
+    }
+
+
 def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     arch = check_supported(hf)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    theta, scaling = _rope_params(hf)
+    gemma = _gemma_fields(arch, hf) if arch in GEMMA_ARCHITECTURES else {}
+    theta, scaling = (gemma.pop("rope_theta"), gemma.pop("rope_scaling")) if gemma else _rope_params(hf)
     max_len = int(hf.get("max_position_embeddings") or 4096)
     window = hf.get("sliding_window")
     uses_window = window and (arch in _WINDOWED or hf.get("use_sliding_window"))
     if uses_window:
         max_len = min(max_len, int(window))  # stay exact: we do not implement windowed attention
     eos = _eos_ids(hf.get("eos_token_id")) | _eos_ids((generation_config or {}).get("eos_token_id"))
-    tie_default = arch in ("Qwen3ForCausalLM",)
+    tie_default = arch in ("Qwen3ForCausalLM", *GEMMA_ARCHITECTURES)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),
@@ -170,11 +234,12 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", tie_default)),
         attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=gemma.pop("qk_norm", arch == "Qwen3ForCausalLM"),
         eos_token_ids=frozenset(eos),
         bos_token_id=hf.get("bos_token_id"),
         checkpoint_dtype=_checkpoint_dtype(hf.get("torch_dtype") or hf.get("dtype")),
         partial_rotary_factor=_partial_rotary_factor(hf),
+        **gemma,
     )
 
 

@@ -24,7 +24,11 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",  # Phi-3, Phi-3.5 and Phi-4 files all say "phi3"
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",  # every Gemma 3 size: the vision tower is a separate file
 }
+# Gemma: every n-th layer is global (llama.cpp's SWA pattern), the others local.
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
 # Architectures whose converter permuted q/k rows for llama.cpp's interleaved RoPE; our forward uses
 # Hugging Face's rotate-half layout, so their rows are put back (as transformers' GGUF loader does).
 _PERMUTED_QK = ("llama", "mistral")
@@ -264,7 +268,29 @@ class GGUFModelFile:
             bos_token_id=None if bos is None else int(bos),
             checkpoint_dtype=None,
             partial_rotary_factor=rotary_dim / head_dim,
+            **self._gemma_fields(hidden, heads, head_dim),
         )
+
+    def _gemma_fields(self, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+        every = _GEMMA_GLOBAL_EVERY.get(self.architecture)
+        if every is None:
+            return {}
+        layers = int(self._required("block_count"))
+        # As llama.cpp: the 27B models scale queries by hidden / heads, the others by the head size.
+        scalar = hidden // heads if layers in (46, 62) else head_dim
+        caps = {key: self.arch_field(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+        return {
+            "sliding_window": int(self._required("attention.sliding_window")),
+            "local_layers": tuple((i + 1) % every != 0 for i in range(layers)),
+            "local_rope_theta": 10000.0 if self.architecture == "gemma3" else None,
+            "query_pre_attn_scalar": float(scalar),
+            "attn_logit_softcapping": None
+            if caps["attn_logit_softcapping"] is None
+            else float(caps["attn_logit_softcapping"]),
+            "final_logit_softcapping": None
+            if caps["final_logit_softcapping"] is None
+            else float(caps["final_logit_softcapping"]),
+        }
 
     def _float_values(self, name: str) -> tuple[float, ...]:
         tensor = self.tensor(name)

@@ -24,6 +24,7 @@ from torch import nn
 
 from chatapp.engine.block_quant import KIND_FOR_GGUF_TYPE, TILE, TILE_BYTES, BlockQuantLinear, PackedPart, block_inputs
 from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.gemma import GemmaDecoderLayer, model_class
 from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
 from chatapp.engine.models.llama import LlamaForCausalLM
 
@@ -191,6 +192,20 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return h * head_dim + 2 * (within % half) + within // half
 
 
+def _layer_norms(layer: nn.Module, i: int) -> list[tuple[nn.Module, str]]:
+    """(norm module, GGUF tensor) of a layer. llama.cpp's Gemma files store the weights with the 1
+    already added, which is what our norms multiply by."""
+    p = f"blk.{i}."
+    if isinstance(layer, GemmaDecoderLayer):
+        return [
+            (layer.input_layernorm, p + "attn_norm.weight"),
+            (layer.post_attention_layernorm, p + "post_attention_norm.weight"),
+            (layer.pre_feedforward_layernorm, p + "ffn_norm.weight"),
+            (layer.post_feedforward_layernorm, p + "post_ffw_norm.weight"),
+        ]
+    return [(layer.input_layernorm, p + "attn_norm.weight"), (layer.post_attention_layernorm, p + "ffn_norm.weight")]
+
+
 def _check_layer_count(gguf: GGUFModelFile, mc: ModelConfig) -> None:
     last = f"blk.{mc.num_layers - 1}.attn_norm.weight"
     if last not in gguf.tensors:
@@ -220,7 +235,7 @@ def load_gguf_float(
 ) -> LlamaForCausalLM:
     """Every tensor de-quantised into a float model of ``dtype`` (GPU, or the CPU without our kernels)."""
     _check_layer_count(gguf, mc)
-    model = LlamaForCausalLM(mc, max_positions, device="meta")
+    model = model_class(mc)(mc, max_positions, device="meta")
     model = model.to_empty(device=device).to(dtype)
     loader = _Loader(gguf, mc)
 
@@ -234,8 +249,8 @@ def load_gguf_float(
             put(model.lm_head.weight, "output.weight")
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            put(layer.input_layernorm.weight, f"blk.{i}.attn_norm.weight")
-            put(layer.post_attention_layernorm.weight, f"blk.{i}.ffn_norm.weight")
+            for module, name in _layer_norms(layer, i):
+                put(module.weight, name)
             if attn.q_norm is not None:
                 put(attn.q_norm.weight, f"blk.{i}.attn_q_norm.weight")
                 put(attn.k_norm.weight, f"blk.{i}.attn_k_norm.weight")
@@ -269,7 +284,7 @@ def load_gguf_native(
     """Our CPU model with every projection in the file's own blocks (float32 activations)."""
     _check_layer_count(gguf, mc)
     device, dtype = torch.device("cpu"), torch.float32
-    model = LlamaForCausalLM(mc, max_positions, device="meta")
+    model = model_class(mc)(mc, max_positions, device="meta")
     loader = _Loader(gguf, mc)
     h = mc.hidden_size
 
@@ -300,8 +315,8 @@ def load_gguf_native(
     total = mc.num_layers
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        norm(layer.input_layernorm, f"blk.{i}.attn_norm.weight", h)
-        norm(layer.post_attention_layernorm, f"blk.{i}.ffn_norm.weight", h)
+        for module, name in _layer_norms(layer, i):
+            norm(module, name, h)
         if attn.q_norm is not None:
             norm(attn.q_norm, f"blk.{i}.attn_q_norm.weight", mc.head_dim)
             norm(attn.k_norm, f"blk.{i}.attn_k_norm.weight", mc.head_dim)

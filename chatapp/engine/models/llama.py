@@ -70,10 +70,12 @@ class MLP(nn.Module):
         self.intermediate = mc.intermediate_size
         self.gate_up_proj = nn.Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=mc.mlp_bias, device=device)
         self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=mc.mlp_bias, device=device)
+        self.gelu = mc.is_gemma  # GeGLU (tanh-approximated GELU), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -83,6 +85,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(mc, layer, device)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, device)
         self.mlp = MLP(mc, device)
+
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        """The norm whose output the MLP reads (int8 smoothing folds its factors into it)."""
+        return self.post_attention_layernorm
 
     def forward(
         self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
@@ -99,6 +106,8 @@ class LlamaForCausalLM(nn.Module):
     compiler stack (~2 s and ~150 MB at every load).
     """
 
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, mc: ModelConfig, max_positions: int, device: Device = None) -> None:
         super().__init__()
         self.config = mc
@@ -106,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             mc.vocab_size, mc.hidden_size, _weight=torch.empty(mc.vocab_size, mc.hidden_size, device=device)
         )
-        self.layers = nn.ModuleList(DecoderLayer(mc, i, device) for i in range(mc.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(mc, i, device) for i in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, device)
         if mc.tie_word_embeddings:
             self.lm_head = None

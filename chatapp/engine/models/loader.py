@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 
 from chatapp.engine.models.config import ModelConfig
-from chatapp.engine.models.llama import LlamaForCausalLM
+from chatapp.engine.models.gemma import model_class
+from chatapp.engine.models.llama import LlamaForCausalLM, RMSNorm
 
 # checkpoint suffix -> (our parameter suffix, shard index within the fused weight)
 _FUSED = {
@@ -49,7 +50,7 @@ def _shard_sizes(mc: ModelConfig, fused: str) -> list[int]:
 def load_model(
     model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
 ) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(mc, max_positions, device="meta")
+    model = model_class(mc)(mc, max_positions, device="meta")
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -64,6 +65,11 @@ def load_model(
         raise CheckpointError(
             f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else "")
         )
+    if mc.norm_weight_offset:  # Gemma stores w - 1: the forward multiplies by w (as HF's 1 + w, in float32)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.copy_((module.weight.float() + mc.norm_weight_offset).to(module.weight.dtype))
     model.build_rope(dtype, device)
     model.eval()
     return model

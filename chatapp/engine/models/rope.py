@@ -28,6 +28,8 @@ def inverse_frequencies(
         return inv_freq / factor
     if kind == "freq_factors":  # a GGUF file's rope_freqs tensor (llama.cpp divides by it)
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    if kind == "yarn":
+        return _yarn_inverse_frequencies(rotary_dim, theta, scaling)
     if kind == "llama3":
         low = float(scaling.get("low_freq_factor", 1.0))
         high = float(scaling.get("high_freq_factor", 4.0))
@@ -42,13 +44,44 @@ def inverse_frequencies(
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
+def _yarn_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (Qwen's long-context setting): pairs that turn fast keep their frequency, slow ones are
+    interpolated by the factor, with a linear ramp between (the dimension range from beta_fast/slow)."""
+    factor = float(scaling["factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # the share of each pair's original (extrapolated) frequency
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
 def attention_scaling(scaling: dict[str, Any] | None) -> float:
-    """What cos and sin are multiplied by (LongRoPE keeps attention's sharpness at long range); else 1."""
-    if scaling is None or scaling["rope_type"] != "longrope":
+    """What cos and sin are multiplied by (LongRoPE and YaRN keep attention's sharpness at long range); else 1."""
+    if scaling is None or scaling["rope_type"] not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor, original = float(scaling["factor"]), int(scaling["original_max_position_embeddings"])
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "yarn":
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
+        return mscale(factor)
+    original = int(scaling["original_max_position_embeddings"])
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
