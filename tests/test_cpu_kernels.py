@@ -94,6 +94,44 @@ def test_kernel_matches_sdpa_for_decodes_and_prefill_chunks(
     torch.testing.assert_close(fast, reference, atol=3e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])  # 256: Gemma's heads, as two halves of 128
+@pytest.mark.parametrize("window, softcap", [(None, None), (8, None), (5, 2.0)])
+def test_windows_and_softcaps_match_the_torch_backend(ext, head_dim: int, window, softcap) -> None:
+    """Gemma's local layers (a query sees its own key and the window - 1 before it) and Gemma 2's
+    soft-capped scores, in decodes and prefill chunks with cached context, as the torch backend has them."""
+    from chatapp.engine.attention import LayerAttention
+
+    block_size = 16
+    seq_lens = [1, 17, 40, 23, 70, 37]
+    q_lens = [1, 1, 1, 23, 9, 16]
+    meta = make_step(block_size, seq_lens, q_lens)
+    torch.manual_seed(2)
+    caches = [(torch.randn(64, block_size, 2, head_dim), torch.randn(64, block_size, 2, head_dim))]
+    tokens = sum(q_lens)
+    q = torch.randn(tokens, 4, head_dim)
+    k, v = torch.randn(tokens, 2, head_dim), torch.randn(tokens, 2, head_dim)
+    spec = LayerAttention(0.2, window, softcap)
+    reference_backend = TorchAttentionBackend(caches, 4, head_dim, [spec])
+    reference_backend.begin_step(meta)
+    reference = reference_backend.forward(0, q, k, v)
+    fast = ext.paged_attention(
+        q,
+        caches[0][0].permute(0, 2, 3, 1).contiguous(),
+        caches[0][1],
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        spec.scale,
+        window=window or 0,
+        softcap=softcap or 0.0,
+    )
+    torch.testing.assert_close(fast, reference, atol=3e-5, rtol=1e-4)
+    if window is not None:  # and the window is what made them agree
+        unwindowed = TorchAttentionBackend(caches, 4, head_dim, [LayerAttention(0.2, None, softcap)])
+        unwindowed.begin_step(meta)
+        assert not torch.allclose(unwindowed.forward(0, q, k, v), reference, atol=1e-3)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_a_rows_result_does_not_depend_on_its_chunk_batch_or_layout(ext, cache_dtype: torch.dtype) -> None:
     """Bitwise: the same query over the same keys gives the same bits however it is batched.

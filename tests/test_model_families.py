@@ -67,6 +67,9 @@ FAMILIES = {
         rope_scaling={"rope_type": "linear", "factor": 8.0},  # Gemma 3 4B+: global layers only
     ),
     "gemma2-softcaps": dict(arch="Gemma2ForCausalLM", **GEMMA, query_pre_attn_scalar=24),
+    # Mistral 7B v0.1 and Phi-3-mini-4k window every layer (4,096 and 2,047 keys): here 8.
+    "mistral-window": dict(arch="MistralForCausalLM", num_heads=4, num_kv_heads=2, sliding_window=8),
+    "phi3-mini-window": dict(arch="Phi3ForCausalLM", num_heads=4, num_kv_heads=4, sliding_window=8),
 }
 PROMPTS = [
     "Hello there",

@@ -30,17 +30,35 @@ def _linear_spec(linear: nn.Module) -> dict[str, Any]:
 def build_cpu_model(ext: ModuleType, model: LlamaForCausalLM):
     """A CpuModel holding the decoder layers' weights (shared with the Python model, not copied)."""
     mc = model.config
-    cpu = ext.CpuModel(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.rms_norm_eps, model.norm.weight.detach())
-    for layer in model.layers:
+
+    def weight(norm: nn.Module | None):
+        return None if norm is None else norm.weight.detach()
+
+    cpu = ext.CpuModel(
+        mc.num_heads,
+        mc.num_kv_heads,
+        mc.head_dim,
+        mc.rms_norm_eps,
+        model.norm.weight.detach(),
+        mc.attention_scale,
+        mc.sliding_window or 0,
+        mc.attn_logit_softcapping or 0.0,
+        mc.is_gemma,
+    )
+    for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        gemma = mc.is_gemma
         cpu.add_layer(
             layer.input_layernorm.weight.detach(),
-            layer.post_attention_layernorm.weight.detach(),
-            None if attn.q_norm is None else attn.q_norm.weight.detach(),
-            None if attn.k_norm is None else attn.k_norm.weight.detach(),
+            layer.mlp_input_norm.weight.detach(),
+            weight(attn.q_norm),
+            weight(attn.k_norm),
             _linear_spec(attn.qkv_proj),
             _linear_spec(attn.o_proj),
             _linear_spec(mlp.gate_up_proj),
             _linear_spec(mlp.down_proj),
+            weight(layer.post_attention_layernorm) if gemma else None,
+            weight(layer.post_feedforward_layernorm) if gemma else None,
+            mc.layer_is_local(i),
         )
     return cpu

@@ -101,9 +101,8 @@ class ModelRunner:
         self.sampler = Sampler()
         if self.quantization != "gguf":
             self._quantize(ext, source.path)
-        cpu_loop = ext is not None and not self.mc.is_gemma  # the C++ layer loop runs the Llama family
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=cpu_loop)
-        self.cpu_forward = self._build_cpu_forward(ext) if cpu_loop else None
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
+        self.cpu_forward = self._build_cpu_forward(ext)
         self.attn = None if self.cpu_forward is not None else self._make_attention_backend()
 
     # -- set-up -------------------------------------------------------------
@@ -274,7 +273,7 @@ class ModelRunner:
 
     def _make_attention_backend(self, kv_caches=None):
         kv_caches = kv_caches if kv_caches is not None else self.kv_caches
-        if self.config.attention_backend == "triton" and not self.mc.is_gemma:  # no windows in Triton yet
+        if self.config.attention_backend == "triton" and not any(self.mc.local_layers):  # no windows in Triton yet
             from chatapp.engine.attention_triton import TritonAttentionBackend
 
             return TritonAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim)
@@ -320,12 +319,14 @@ class ModelRunner:
             self.attn.begin_step(step.meta)
             return self.model(step.input_ids, step.positions, self.attn)
         meta, model = step.meta, self.model
-        x = model.embed_tokens(step.input_ids)
-        cos, sin = model.rope.lookup(step.positions)
+        x = model.embed(step.input_ids)
+        (cos, sin), (local_cos, local_sin) = model.rope_tables(step.positions)
         return self.cpu_forward.forward(
             x,
             cos,
             sin,
+            local_cos,
+            local_sin,
             self._k_caches,
             self._v_caches,
             meta.slot_mapping,

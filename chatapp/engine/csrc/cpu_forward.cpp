@@ -1,11 +1,11 @@
-// The decoder layers of our Llama-family model in one C++ call per step (CPU, float32 activations).
+// The decoder layers of our Llama-family and Gemma models in one C++ call per step (CPU, float32 activations).
 //
 // Why: at batch 1 a step is ~120 small matmuls around ~1,600 small ops, and in
 // Python the interpreter, module calls and per-op dispatch cost more than the
 // arithmetic (8 of 18 ms per token on SmolLM2). Here each layer is ~19 calls:
 // the GEMMs (fbgemm int8 or float), our paged attention, and fused row loops for
 // RMSNorm (+ residual), RoPE, the KV store, SiLU*up and the int8 pro/epilogue.
-// It follows chatapp/engine/models/llama.py and quantization.py step for step;
+// It follows chatapp/engine/models/llama.py, gemma.py and quantization.py step for step;
 // every row is computed by the same code whatever shares the batch, so greedy
 // answers stay independent of load (tests hold both paths to the same tokens).
 #include <ATen/Parallel.h>
@@ -128,6 +128,12 @@ void store_kv(const at::Tensor& qkv, int64_t k_offset, at::Tensor& k_cache_t, at
 }
 
 // silu(gate) * up for gate_up = [gate | up] per row; silu(x) = x / (1 + exp(-x)).
+// gelu_tanh(gate) * up (Gemma's GeGLU) with torch's own ops, so it has the Python model's bits.
+at::Tensor gelu_and_mul(const at::Tensor& gate_up) {
+  const int64_t inter = gate_up.size(1) / 2;
+  return at::gelu(gate_up.narrow(1, 0, inter), "tanh").mul_(gate_up.narrow(1, inter, inter));
+}
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
@@ -238,8 +244,10 @@ struct Linear {
 };
 
 struct Layer {
-  at::Tensor input_norm, post_norm, q_norm, k_norm;  // q/k norms only for Qwen3
+  at::Tensor input_norm, mlp_in_norm, q_norm, k_norm;  // q/k norms only for Qwen3 and Gemma 3
   Linear qkv, o, gate_up, down;
+  at::Tensor attn_out_norm, mlp_out_norm;  // Gemma: each block's output is normed before the residual
+  bool local = false;                       // Gemma: a sliding-window layer with its own RoPE tables
 };
 
 c10::intrusive_ptr<LinearPackedParamsBase> to_packed(const py::object& obj) {
@@ -251,9 +259,12 @@ c10::intrusive_ptr<LinearPackedParamsBase> to_packed(const py::object& obj) {
 
 class CpuModel {
  public:
-  CpuModel(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, at::Tensor final_norm)
+  // scale: attention's (head_dim^-0.5, or Gemma's query_pre_attn_scalar^-0.5); window: the local layers'
+  // sliding window (0: none); softcap: Gemma 2's attention score cap (0: none); gelu: GeGLU, not SwiGLU.
+  CpuModel(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, at::Tensor final_norm, double scale,
+           int64_t window, double softcap, bool gelu)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
-        scale_(1.0 / std::sqrt(static_cast<double>(head_dim))), final_norm_(final_norm) {}
+        scale_(scale), window_(window), softcap_(softcap), gelu_(gelu), final_norm_(final_norm) {}
 
   // spec: {"weight", "bias"} for a float layer, {"packed", "in_features", "outliers", "outlier_rows", "bias"} for
   // int8, {"parts": [(packed, kind, out_features), ...], "bias"} for block-quantized weights.
@@ -286,25 +297,28 @@ class CpuModel {
     return lin;
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+  void add_layer(at::Tensor input_norm, at::Tensor mlp_in_norm, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, const py::dict& qkv, const py::dict& o, const py::dict& gate_up,
-                 const py::dict& down) {
-    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(),
-                            q_norm ? q_norm->contiguous() : at::Tensor(), k_norm ? k_norm->contiguous() : at::Tensor(),
-                            make_linear(qkv), make_linear(o), make_linear(gate_up), make_linear(down)});
+                 const py::dict& down, std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm,
+                 bool local) {
+    auto opt = [](const std::optional<at::Tensor>& t) { return t ? t->contiguous() : at::Tensor(); };
+    layers_.push_back(Layer{input_norm.contiguous(), mlp_in_norm.contiguous(), opt(q_norm), opt(k_norm),
+                            make_linear(qkv), make_linear(o), make_linear(gate_up), make_linear(down),
+                            opt(attn_out_norm), opt(mlp_out_norm), local});
   }
 
-  // x [T, hidden] (embedded, owned: updated in place); cos/sin [T, 1, D] for the step's positions;
-  // k_caches [num_blocks, Hkv, D, block_size] (transposed keys), v_caches [num_blocks, block_size, Hkv, D].
-  // Returns the final-normed hidden states.
-  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+  // x [T, hidden] (embedded, owned: updated in place); cos/sin [T, 1, R] for the step's positions (the local
+  // layers' own tables in local_cos/local_sin); k_caches [num_blocks, Hkv, D, block_size] (transposed keys),
+  // v_caches [num_blocks, block_size, Hkv, D]. Returns the final-normed hidden states.
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& local_cos,
+                     const at::Tensor& local_sin, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                      const at::Tensor& slot_mapping, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& block_tables) {
     TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous float32");
     const int64_t t = x.size(0), h = num_heads_, hkv = num_kv_heads_, d = head_dim_;
-    const int64_t q_size = h * d, kv_size = hkv * d;
+    const int64_t q_size = h * d;
     const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slots = slot_mapping.contiguous();
+    const at::Tensor lc = local_cos.contiguous(), ls = local_sin.contiguous();
     at::Tensor pending;  // the last block's output, added into the residual by the next norm
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
@@ -313,13 +327,17 @@ class CpuModel {
         rms_norm_heads(qkv, 0, h, d, L.q_norm, eps_);
         rms_norm_heads(qkv, h, hkv, d, L.k_norm, eps_);
       }
-      rope(qkv, h + hkv, d, c, s);
+      rope(qkv, h + hkv, d, L.local ? lc : c, L.local ? ls : s);
       store_kv(qkv, q_size, k_caches[i], v_caches[i], slots);
       at::Tensor attn = paged_attention(qkv.narrow(1, 0, q_size).view({t, h, d}), k_caches[i], v_caches[i],
-                                        query_start_loc, seq_lens, block_tables, scale_);
+                                        query_start_loc, seq_lens, block_tables, scale_, L.local ? window_ : 0,
+                                        softcap_);
       at::Tensor o = L.o(attn.view({t, q_size}));
-      at::Tensor mlp_in = add_rms_norm(x, o, L.post_norm, eps_);
-      pending = L.down(silu_and_mul(L.gate_up(mlp_in)));
+      if (L.attn_out_norm.defined()) o = add_rms_norm(o, at::Tensor(), L.attn_out_norm, eps_);
+      at::Tensor mlp_in = add_rms_norm(x, o, L.mlp_in_norm, eps_);
+      at::Tensor gate_up = L.gate_up(mlp_in);
+      pending = L.down(gelu_ ? gelu_and_mul(gate_up) : silu_and_mul(gate_up));
+      if (L.mlp_out_norm.defined()) pending = add_rms_norm(pending, at::Tensor(), L.mlp_out_norm, eps_);
     }
     return add_rms_norm(x, pending, final_norm_, eps_);
   }
@@ -328,13 +346,18 @@ class CpuModel {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
   double scale_;
+  int64_t window_;
+  double softcap_;
+  bool gelu_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
   std::map<int64_t, std::shared_ptr<AnchorBuffer>> buffers_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU; float32 or float16 cache)");
+  m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU; float32 or float16 cache)",
+        py::arg("q"), py::arg("k_cache_t"), py::arg("v_cache"), py::arg("query_start_loc"), py::arg("seq_lens"),
+        py::arg("block_tables"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("block_linear", &block_linear, "x @ W^T with W in a packed block-quantized kind (CPU, float32)",
         py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("path") = "best");
@@ -343,7 +366,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_quant_fast", &block_quant_fast, "whether a vector block kernel (AVX-512 VNNI or AVX2) was compiled in");
   m.def("block_quant_paths", &block_quant_paths, "the block kernels' loops compiled in, fastest first");
   py::class_<CpuModel>(m, "CpuModel", py::module_local())  // local: two builds (tests) can be loaded at once
-      .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor>())
+      .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor, double, int64_t, double, bool>())
       .def("add_layer", &CpuModel::add_layer)
       .def("forward", &CpuModel::forward);
 }

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "vec16.h"
@@ -95,15 +96,15 @@ inline void keys_chunk(const T* base, const Geometry& g, const float* const* qro
 template <typename T>
 void scores_keys_in_lanes(const T* kt, const int32_t* table, int64_t kv_head, const Geometry& g,
                           const float* const* qrow, const int64_t* last, int64_t nv, float scale, float* scores,
-                          int64_t stride) {
+                          int64_t stride, int64_t from) {
   int64_t num_keys = 0;
   for (int64_t l = 0; l < nv; ++l) num_keys = std::max(num_keys, last[l] + 1);
   const bool full = g.bs % kLanes == 0;  // 16 keys of one block per vector
-  for (int64_t start = 0; start < num_keys; start += kLanes) {
+  for (int64_t start = from; start < num_keys; start += kLanes) {
     if (full) {
       const int64_t block = table[start / g.bs], offset = start % g.bs;
       const T* base = kt + ((block * g.Hkv + kv_head) * g.D) * g.bs + offset;
-      for (int64_t ahead = start == 0 ? 1 : kPrefetchBlocks; offset == 0 && ahead <= kPrefetchBlocks; ++ahead)
+      for (int64_t ahead = start == from ? 1 : kPrefetchBlocks; offset == 0 && ahead <= kPrefetchBlocks; ++ahead)
         if (start + ahead * g.bs < num_keys)  // blocks sit anywhere: fetch the coming ones' keys early
           prefetch_lines(kt + ((static_cast<int64_t>(table[start / g.bs + ahead]) * g.Hkv + kv_head) * g.D) * g.bs,
                          g.D * g.bs, 1);
@@ -172,8 +173,8 @@ void softmax_row(float* s, int64_t n) {
 // out_r = sum over p <= last_r, in position order, of w_r[p] * v_p, for a few rows sharing each read
 // of v_p (R rows x C vectors of accumulators in registers). Each row's chain is the single-row one.
 template <int C, int R, typename T>
-void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, const int32_t* table,
-                     int64_t kv_head, const Geometry& g, float* const* out) {
+void weighted_values(float* const* w, const int64_t* first_key, const int64_t* last, int nr, const T* vp,
+                     const int32_t* table, int64_t kv_head, const Geometry& g, float* const* out) {
   const int64_t row = g.Hkv * g.D;
   auto value_at = [&](int64_t p) {
     return vp + (static_cast<int64_t>(table[p / g.bs]) * g.bs + p % g.bs) * row + kv_head * g.D;
@@ -181,7 +182,7 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, 
   if constexpr (C == 0) {
     for (int r = 0; r < nr; ++r) {
       std::fill(out[r], out[r] + g.D, 0.f);
-      for (int64_t p = 0; p <= last[r]; ++p) {
+      for (int64_t p = first_key[r]; p <= last[r]; ++p) {
         const T* value = value_at(p);
         for (int64_t d = 0; d < g.D; ++d) out[r][d] = fmadd(w[r][p], widen(value[d]), out[r][d]);
       }
@@ -192,12 +193,12 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, 
     __m256 acc[R][2 * C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm256_setzero_ps();
-    int64_t end = 0;
-    for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1);
-    for (int64_t first = 0; first < end; first += g.bs) {
+    int64_t end = 0, begin = last[0];
+    for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1), begin = std::min(begin, first_key[r]);
+    for (int64_t first = begin / g.bs * g.bs; first < end; first += g.bs) {
       const T* slot0 = vp + static_cast<int64_t>(table[first / g.bs]) * g.bs * row + kv_head * g.D;
       const int64_t n = std::min(g.bs, end - first);
-      for (int64_t ahead = first == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
+      for (int64_t ahead = first == begin / g.bs * g.bs ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
         if (first + ahead * g.bs < end)
           prefetch_lines(vp + static_cast<int64_t>(table[first / g.bs + ahead]) * g.bs * row + kv_head * g.D,
                          C * kLanes, g.bs, row);
@@ -207,7 +208,7 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, 
         __m256 v[2 * C];
         for (int c = 0; c < C; ++c) load_wide8x2(value + c * kLanes, v[2 * c], v[2 * c + 1]);
         for (int r = 0; r < nr; ++r) {
-          if (p > last[r]) continue;
+          if (p > last[r] || p < first_key[r]) continue;
           const __m256 wr = _mm256_set1_ps(w[r][p]);
           for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm256_fmadd_ps(wr, v[c], acc[r][c]);
         }
@@ -219,12 +220,12 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, 
     v16 acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = splat(0.f);
-    int64_t end = 0;
-    for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1);
-    for (int64_t first = 0; first < end; first += g.bs) {  // block by block: no division per position
+    int64_t end = 0, begin = last[0];
+    for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1), begin = std::min(begin, first_key[r]);
+    for (int64_t first = begin / g.bs * g.bs; first < end; first += g.bs) {  // block by block: no division per position
       const T* slot0 = vp + static_cast<int64_t>(table[first / g.bs]) * g.bs * row + kv_head * g.D;
       const int64_t n = std::min(g.bs, end - first);
-      for (int64_t ahead = first == 0 ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
+      for (int64_t ahead = first == begin / g.bs * g.bs ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
         if (first + ahead * g.bs < end)  // the coming blocks' values of this head, fetched early
           prefetch_lines(vp + static_cast<int64_t>(table[first / g.bs + ahead]) * g.bs * row + kv_head * g.D, g.D,
                          g.bs, row);
@@ -234,7 +235,7 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, 
         v16 v[C];
         for (int c = 0; c < C; ++c) v[c] = load_wide(value + c * kLanes);
         for (int r = 0; r < nr; ++r) {
-          if (p > last[r]) continue;
+          if (p > last[r] || p < first_key[r]) continue;
           const v16 wr = splat(w[r][p]);
           for (int c = 0; c < C; ++c) acc[r][c] = fmadd(wr, v[c], acc[r][c]);
         }
@@ -249,7 +250,8 @@ void weighted_values(float* const* w, const int64_t* last, int nr, const T* vp, 
 
 template <typename T>
 torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_cache, torch::Tensor query_start_loc,
-                     torch::Tensor seq_lens, torch::Tensor block_tables, double scale) {
+                     torch::Tensor seq_lens, torch::Tensor block_tables, double scale, int64_t window,
+                     double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache_t.dim() == 4 && v_cache.dim() == 4, "bad shapes");
   TORCH_CHECK(q.scalar_type() == at::kFloat && (k_cache_t.scalar_type() == at::kFloat ||
                                                  k_cache_t.scalar_type() == at::kHalf),
@@ -292,22 +294,30 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
       const Task& task = tasks[t];
       const int64_t b = task.request, q_len = qsl[b + 1] - qsl[b], start = lens[b] - q_len;
       const int64_t nv = task.num_vectors;
-      int64_t last[kLanes], token[kLanes], head[kLanes];
+      int64_t last[kLanes], first_key[kLanes], token[kLanes], head[kLanes];
       const float* qrow[kLanes];
-      int64_t num_keys = 0;
+      int64_t num_keys = 0, from = std::numeric_limits<int64_t>::max();
       for (int64_t l = 0; l < nv; ++l) {
         const int64_t vec = task.first_vector + l, i = vec / g.G;
         token[l] = qsl[b] + i;
         head[l] = task.kv_head * g.G + vec % g.G;
-        last[l] = start + i;  // this row attends keys 0..last
+        last[l] = start + i;  // this row attends keys first_key..last: all before it, or its window
+        first_key[l] = window > 0 ? std::max<int64_t>(0, last[l] - window + 1) : 0;
         qrow[l] = qp + (token[l] * g.H + head[l]) * g.D;
         num_keys = std::max(num_keys, last[l] + 1);
+        from = std::min(from, first_key[l] / kLanes * kLanes);
       }
       const int32_t* table = tables + b * g.max_blocks;
       const int64_t stride = (num_keys + kLanes - 1) / kLanes * kLanes;
       scores.assign(nv * stride, 0.f);
-      scores_keys_in_lanes(ktp, table, task.kv_head, g, qrow, last, nv, fscale, scores.data(), stride);
-      for (int64_t l = 0; l < nv; ++l) softmax_row(scores.data() + l * stride, last[l] + 1);
+      scores_keys_in_lanes(ktp, table, task.kv_head, g, qrow, last, nv, fscale, scores.data(), stride, from);
+      for (int64_t l = 0; l < nv; ++l) {
+        float* row = scores.data() + l * stride;
+        if (softcap > 0)  // Gemma 2: cap * tanh(score / cap), before the softmax
+          for (int64_t p = first_key[l]; p <= last[l]; ++p)
+            row[p] = std::tanh(row[p] / static_cast<float>(softcap)) * static_cast<float>(softcap);
+        softmax_row(row + first_key[l], last[l] - first_key[l] + 1);
+      }
       constexpr int kGroup = 4;
       for (int64_t g0 = 0; g0 < nv; g0 += kGroup) {
         const int nr = static_cast<int>(std::min<int64_t>(kGroup, nv - g0));
@@ -319,12 +329,16 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
         }
 #if !defined(CHATAPP_VEC_AVX2)
         if (g.D == 64) {
-          weighted_values<4, kGroup>(w, last + g0, nr, vp, table, task.kv_head, g, dst);
-        } else if (g.D == 128) {
+          weighted_values<4, kGroup>(w, first_key + g0, last + g0, nr, vp, table, task.kv_head, g, dst);
+        } else if (g.D % 128 == 0) {  // 128, and Gemma's 256 as two halves (each element keeps its chain)
           for (int r = 0; r < nr; r += 2)
-            weighted_values<8, 2>(w + r, last + g0 + r, std::min(2, nr - r), vp, table, task.kv_head, g, dst + r);
+            for (int64_t d0 = 0; d0 < g.D; d0 += 128) {
+              float* slice[2] = {dst[r] + d0, r + 1 < nr ? dst[r + 1] + d0 : nullptr};
+              weighted_values<8, 2>(w + r, first_key + g0 + r, last + g0 + r, std::min(2, nr - r), vp + d0, table,
+                                    task.kv_head, g, slice);
+            }
         } else {
-          weighted_values<0, 1>(w, last + g0, nr, vp, table, task.kv_head, g, dst);
+          weighted_values<0, 1>(w, first_key + g0, last + g0, nr, vp, table, task.kv_head, g, dst);
         }
 #else
         // 16 registers: two rows by 32 dimensions at a time (8 accumulators, 4 value registers). Each
@@ -333,11 +347,11 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
           for (int r = 0; r < nr; r += 2)
             for (int64_t d0 = 0; d0 < g.D; d0 += 32) {
               float* slice[2] = {dst[r] + d0, r + 1 < nr ? dst[r + 1] + d0 : nullptr};
-              weighted_values<2, 2>(w + r, last + g0 + r, std::min(2, nr - r), vp + d0, table, task.kv_head, g,
-                                    slice);
+              weighted_values<2, 2>(w + r, first_key + g0 + r, last + g0 + r, std::min(2, nr - r), vp + d0, table,
+                                    task.kv_head, g, slice);
             }
         } else {
-          weighted_values<0, 1>(w, last + g0, nr, vp, table, task.kv_head, g, dst);
+          weighted_values<0, 1>(w, first_key + g0, last + g0, nr, vp, table, task.kv_head, g, dst);
         }
 #endif
       }
@@ -350,9 +364,9 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_cache,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
-                              double scale) {
+                              double scale, int64_t window, double softcap) {
   TORCH_CHECK(k_cache_t.scalar_type() == v_cache.scalar_type(), "keys and values must share a type");
   if (k_cache_t.scalar_type() == at::kHalf)
-    return attend<c10::Half>(q, k_cache_t, v_cache, query_start_loc, seq_lens, block_tables, scale);
-  return attend<float>(q, k_cache_t, v_cache, query_start_loc, seq_lens, block_tables, scale);
+    return attend<c10::Half>(q, k_cache_t, v_cache, query_start_loc, seq_lens, block_tables, scale, window, softcap);
+  return attend<float>(q, k_cache_t, v_cache, query_start_loc, seq_lens, block_tables, scale, window, softcap);
 }

@@ -22,8 +22,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
-# Architectures whose attention Hugging Face limits to config.sliding_window at every layer. We do not
-# window attention yet, so their context is capped at the window: every answer stays exact.
+# Architectures whose attention Hugging Face limits to config.sliding_window at every layer: every
+# layer is a local one (attention.py and the C++ kernel window it), the context is not capped.
 _WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
 
 
@@ -53,9 +53,10 @@ class ModelConfig:
     bos_token_id: int | None
     checkpoint_dtype: torch.dtype | None
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions that RoPE rotates (Phi-4-mini: 0.75)
-    # Gemma 2 / 3 (models/gemma.py); the defaults are the Llama family's.
+    # Sliding windows (Gemma's local layers; every layer of a windowed Mistral or Phi-3).
     sliding_window: int | None = None  # keys a local layer sees: its own and the window - 1 before
     local_layers: tuple[bool, ...] = ()  # per layer: sliding-window (local) attention
+    # Gemma 2 / 3 (models/gemma.py); the defaults are the Llama family's.
     local_rope_theta: float | None = None  # the local layers' RoPE base (Gemma 3), unscaled
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim's)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
@@ -209,13 +210,14 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
     arch = check_supported(hf)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
-    gemma = _gemma_fields(arch, hf) if arch in GEMMA_ARCHITECTURES else {}
-    theta, scaling = (gemma.pop("rope_theta"), gemma.pop("rope_scaling")) if gemma else _rope_params(hf)
+    family = _gemma_fields(arch, hf) if arch in GEMMA_ARCHITECTURES else {}  # fields beyond the Llama family's
+    theta, scaling = (family.pop("rope_theta"), family.pop("rope_scaling")) if family else _rope_params(hf)
     max_len = int(hf.get("max_position_embeddings") or 4096)
     window = hf.get("sliding_window")
-    uses_window = window and (arch in _WINDOWED or hf.get("use_sliding_window"))
-    if uses_window:
-        max_len = min(max_len, int(window))  # stay exact: we do not implement windowed attention
+    if window and arch in _WINDOWED and window < max_len:
+        family = {"sliding_window": int(window), "local_layers": (True,) * int(hf["num_hidden_layers"])}
+    elif window and hf.get("use_sliding_window"):  # Qwen2's per-layer rule: not ours; stay exact by capping
+        max_len = min(max_len, int(window))
     eos = _eos_ids(hf.get("eos_token_id")) | _eos_ids((generation_config or {}).get("eos_token_id"))
     tie_default = arch in ("Qwen3ForCausalLM", *GEMMA_ARCHITECTURES)
     return ModelConfig(
@@ -234,12 +236,12 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", tie_default)),
         attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=gemma.pop("qk_norm", arch == "Qwen3ForCausalLM"),
+        qk_norm=family.pop("qk_norm", arch == "Qwen3ForCausalLM"),
         eos_token_ids=frozenset(eos),
         bos_token_id=hf.get("bos_token_id"),
         checkpoint_dtype=_checkpoint_dtype(hf.get("torch_dtype") or hf.get("dtype")),
         partial_rotary_factor=_partial_rotary_factor(hf),
-        **gemma,
+        **family,
     )
 
 

@@ -5,7 +5,8 @@ What sets them apart, all read from ModelConfig:
   the MLP has its own pre-norm; checkpoints store RMSNorm weights as w - 1 (loaders add the 1);
 - GeGLU (tanh-approximated GELU) in the MLP, and embeddings scaled by sqrt(hidden_size);
 - local layers attend to a sliding window of keys (Gemma 3 rotates them with a RoPE base of their
-  own), global layers to every earlier key; the attention backend applies each layer's window;
+  own), global layers to every earlier key; the attention backend (or the C++ layer loop,
+  csrc/cpu_forward.cpp, which follows this file) applies each layer's window;
 - the attention scale comes from query_pre_attn_scalar; Gemma 2 soft-caps attention scores (in the
   backend) and the final logits (here).
 """
@@ -69,10 +70,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         # As Hugging Face: sqrt(hidden) rounded to the embedding's dtype, then one multiply.
         return x * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
 
+    def rope_tables(self, positions: torch.Tensor) -> tuple[Tables, Tables]:
+        table = self.rope.lookup(positions)
+        return table, table if self.local_rope is self.rope else self.local_rope.lookup(positions)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
-        table = self.rope.lookup(positions)
-        local_table = table if self.local_rope is self.rope else self.local_rope.lookup(positions)
+        table, local_table = self.rope_tables(positions)
         for layer in self.layers:
             if layer.local:
                 x = layer(x, self.local_rope, local_table, attn)

@@ -244,8 +244,11 @@ class GGUFModelFile:
         bos = self.field("tokenizer.ggml.bos_token_id")
         max_len = int(self.arch_field("context_length", 4096))
         window = self.arch_field("attention.sliding_window")
-        if window and arch == "Phi3ForCausalLM":  # as config.py's _WINDOWED: exact within the window
-            max_len = min(max_len, int(window))
+        layers = int(self._required("block_count"))
+        # Phi-3's window covers every layer (as config.py's _WINDOWED); Gemma's only the local ones.
+        all_local: dict[str, Any] = {}
+        if window and arch == "Phi3ForCausalLM" and int(window) < max_len:
+            all_local = {"sliding_window": int(window), "local_layers": (True,) * layers}
         rotary_dim = int(self.arch_field("rope.dimension_count", head_dim))
         return ModelConfig(
             architecture=arch,
@@ -269,6 +272,7 @@ class GGUFModelFile:
             checkpoint_dtype=None,
             partial_rotary_factor=rotary_dim / head_dim,
             **self._gemma_fields(hidden, heads, head_dim),
+            **all_local,
         )
 
     def _gemma_fields(self, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:

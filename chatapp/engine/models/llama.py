@@ -131,8 +131,16 @@ class LlamaForCausalLM(nn.Module):
             mc.head_dim, self.max_positions, mc.rope_theta, mc.rope_scaling, dtype, device, mc.rotary_dim
         )
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(global, local) layers' (cos, signed_sin) for a step's positions; one set for this family."""
+        table = self.rope.lookup(positions)
+        return table, table
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         table = self.rope.lookup(positions)  # once per step, shared by every layer
         for layer in self.layers:
             x = layer(x, self.rope, table, attn)
