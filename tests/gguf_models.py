@@ -155,13 +155,28 @@ def write_llama_gguf(
 
 
 # Hugging Face architecture -> llama.cpp's GGUF architecture name, for write_hf_model_gguf.
-_GGUF_ARCH = {"Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+_GGUF_ARCH = {
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+
+
+def _llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """q/k rows as llama.cpp's converter writes them for Llama-type files (interleaved RoPE pairs)."""
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def write_hf_model_gguf(model_dir: Path, path: Path, type_name: str) -> Path:
-    """A Hugging Face checkpoint (Phi-3, Gemma 2/3) as llama.cpp's converter lays out its GGUF file:
-    its tensor names, fused Phi-3 projections, LongRoPE factor tensors, Gemma norms with their 1
-    added; projections and embeddings in ``type_name`` (F32, or a type `gguf` can quantize)."""
+    """A Hugging Face checkpoint (Phi-3, Gemma 2/3, SmolLM3) as llama.cpp's converter lays out its GGUF
+    file: its tensor names, fused Phi-3 projections, LongRoPE factor tensors, Gemma norms with their 1
+    added, SmolLM3's permuted q/k rows; projections and embeddings in ``type_name`` (F32, or a type
+    `gguf` can quantize)."""
     import json
 
     from gguf import quants
@@ -229,10 +244,19 @@ def write_hf_model_gguf(model_dir: Path, path: Path, type_name: str) -> Path:
         norm(dst + "attn_norm.weight", weights[src + "input_layernorm.weight"])
         put(dst + "attn_output.weight", weights[src + "self_attn.o_proj.weight"])
         put(dst + "ffn_down.weight", weights[src + "mlp.down_proj.weight"])
-        if not gemma:  # Phi-3: fused projections
+        if arch == "phi3":  # fused projections
             norm(dst + "ffn_norm.weight", weights[src + "post_attention_layernorm.weight"])
             put(dst + "attn_qkv.weight", weights[src + "self_attn.qkv_proj.weight"])
             put(dst + "ffn_up.weight", weights[src + "mlp.gate_up_proj.weight"])
+            continue
+        if arch == "smollm3":  # Llama's layout
+            norm(dst + "ffn_norm.weight", weights[src + "post_attention_layernorm.weight"])
+            put(dst + "attn_q.weight", _llama_cpp_permute(weights[src + "self_attn.q_proj.weight"], heads))
+            kv_heads = hf["num_key_value_heads"]
+            put(dst + "attn_k.weight", _llama_cpp_permute(weights[src + "self_attn.k_proj.weight"], kv_heads))
+            put(dst + "attn_v.weight", weights[src + "self_attn.v_proj.weight"])
+            put(dst + "ffn_gate.weight", weights[src + "mlp.gate_proj.weight"])
+            put(dst + "ffn_up.weight", weights[src + "mlp.up_proj.weight"])
             continue
         norm(dst + "post_attention_norm.weight", weights[src + "post_attention_layernorm.weight"])
         norm(dst + "ffn_norm.weight", weights[src + "pre_feedforward_layernorm.weight"])

@@ -41,6 +41,7 @@ def make_tiny_model(
         "Phi3ForCausalLM": transformers.Phi3Config,
         "Gemma2ForCausalLM": transformers.Gemma2Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+        "SmolLM3ForCausalLM": transformers.SmolLM3Config,
     }[arch]
     fields = dict(
         vocab_size=49152,

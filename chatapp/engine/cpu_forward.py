@@ -60,5 +60,6 @@ def build_cpu_model(ext: ModuleType, model: LlamaForCausalLM):
             weight(layer.post_attention_layernorm) if gemma else None,
             weight(layer.post_feedforward_layernorm) if gemma else None,
             mc.layer_is_local(i),
+            mc.layer_uses_rope(i),
         )
     return cpu

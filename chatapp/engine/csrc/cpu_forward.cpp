@@ -248,6 +248,7 @@ struct Layer {
   Linear qkv, o, gate_up, down;
   at::Tensor attn_out_norm, mlp_out_norm;  // Gemma: each block's output is normed before the residual
   bool local = false;                       // Gemma: a sliding-window layer with its own RoPE tables
+  bool use_rope = true;                     // SmolLM3: every 4th layer has no position rotation
 };
 
 c10::intrusive_ptr<LinearPackedParamsBase> to_packed(const py::object& obj) {
@@ -300,11 +301,11 @@ class CpuModel {
   void add_layer(at::Tensor input_norm, at::Tensor mlp_in_norm, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, const py::dict& qkv, const py::dict& o, const py::dict& gate_up,
                  const py::dict& down, std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm,
-                 bool local) {
+                 bool local, bool use_rope) {
     auto opt = [](const std::optional<at::Tensor>& t) { return t ? t->contiguous() : at::Tensor(); };
     layers_.push_back(Layer{input_norm.contiguous(), mlp_in_norm.contiguous(), opt(q_norm), opt(k_norm),
                             make_linear(qkv), make_linear(o), make_linear(gate_up), make_linear(down),
-                            opt(attn_out_norm), opt(mlp_out_norm), local});
+                            opt(attn_out_norm), opt(mlp_out_norm), local, use_rope});
   }
 
   // x [T, hidden] (embedded, owned: updated in place); cos/sin [T, 1, R] for the step's positions (the local
@@ -327,7 +328,7 @@ class CpuModel {
         rms_norm_heads(qkv, 0, h, d, L.q_norm, eps_);
         rms_norm_heads(qkv, h, hkv, d, L.k_norm, eps_);
       }
-      rope(qkv, h + hkv, d, L.local ? lc : c, L.local ? ls : s);
+      if (L.use_rope) rope(qkv, h + hkv, d, L.local ? lc : c, L.local ? ls : s);
       store_kv(qkv, q_size, k_caches[i], v_caches[i], slots);
       at::Tensor attn = paged_attention(qkv.narrow(1, 0, q_size).view({t, h, d}), k_caches[i], v_caches[i],
                                         query_start_loc, seq_lens, block_tables, scale_, L.local ? window_ : 0,

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",  # Phi-3, Phi-3.5, Phi-4 (fused qkv and gate_up, LongRoPE, partial rotary)
     "Gemma2ForCausalLM",  # local/global layers, sandwich norms, GeGLU, logit soft-capping
     "Gemma3ForCausalLM",  # Gemma 3 text (1B; GGUF files of every size): q/k norms, two RoPE bases
+    "SmolLM3ForCausalLM",  # Llama with every 4th layer unrotated (NoPE)
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -56,6 +57,7 @@ class ModelConfig:
     # Sliding windows (Gemma's local layers; every layer of a windowed Mistral or Phi-3).
     sliding_window: int | None = None  # keys a local layer sees: its own and the window - 1 before
     local_layers: tuple[bool, ...] = ()  # per layer: sliding-window (local) attention
+    nope_layers: tuple[bool, ...] = ()  # per layer: no RoPE at all (SmolLM3's every 4th layer)
     # Gemma 2 / 3 (models/gemma.py); the defaults are the Llama family's.
     local_rope_theta: float | None = None  # the local layers' RoPE base (Gemma 3), unscaled
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim's)
@@ -74,6 +76,9 @@ class ModelConfig:
 
     def layer_is_local(self, layer: int) -> bool:
         return bool(self.local_layers) and self.local_layers[layer]
+
+    def layer_uses_rope(self, layer: int) -> bool:
+        return not (self.nope_layers and self.nope_layers[layer])
 
     @property
     def attention_scale(self) -> float:
@@ -206,6 +211,19 @@ def _gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _smollm3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3: which layers skip RoPE (no_rope_layers[i] is 1 where a layer rotates), and the
+    optional window of those NoPE layers."""
+    layers = int(hf["num_hidden_layers"])
+    interval = int(hf.get("no_rope_layer_interval") or 4)
+    uses_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+    fields: dict[str, Any] = {"nope_layers": tuple(not bool(x) for x in uses_rope)}
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        fields["sliding_window"] = int(hf["sliding_window"])
+        fields["local_layers"] = tuple(not bool(x) for x in uses_rope)
+    return fields
+
+
 def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     arch = check_supported(hf)
     heads = int(hf["num_attention_heads"])
@@ -214,12 +232,14 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
     theta, scaling = (family.pop("rope_theta"), family.pop("rope_scaling")) if family else _rope_params(hf)
     max_len = int(hf.get("max_position_embeddings") or 4096)
     window = hf.get("sliding_window")
-    if window and arch in _WINDOWED and window < max_len:
+    if arch == "SmolLM3ForCausalLM":
+        family = _smollm3_fields(hf)
+    elif window and arch in _WINDOWED and window < max_len:
         family = {"sliding_window": int(window), "local_layers": (True,) * int(hf["num_hidden_layers"])}
     elif window and hf.get("use_sliding_window"):  # Qwen2's per-layer rule: not ours; stay exact by capping
         max_len = min(max_len, int(window))
     eos = _eos_ids(hf.get("eos_token_id")) | _eos_ids((generation_config or {}).get("eos_token_id"))
-    tie_default = arch in ("Qwen3ForCausalLM", *GEMMA_ARCHITECTURES)
+    tie_default = arch in ("Qwen3ForCausalLM", "SmolLM3ForCausalLM", *GEMMA_ARCHITECTURES)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),

@@ -26,12 +26,13 @@ GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",  # Phi-3, Phi-3.5 and Phi-4 files all say "phi3"
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",  # every Gemma 3 size: the vision tower is a separate file
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # Gemma: every n-th layer is global (llama.cpp's SWA pattern), the others local.
 _GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
 # Architectures whose converter permuted q/k rows for llama.cpp's interleaved RoPE; our forward uses
 # Hugging Face's rotate-half layout, so their rows are put back (as transformers' GGUF loader does).
-_PERMUTED_QK = ("llama", "mistral")
+_PERMUTED_QK = ("llama", "mistral", "smollm3")
 
 
 class GGUFError(ValueError):
@@ -249,6 +250,8 @@ class GGUFModelFile:
         all_local: dict[str, Any] = {}
         if window and arch == "Phi3ForCausalLM" and int(window) < max_len:
             all_local = {"sliding_window": int(window), "local_layers": (True,) * layers}
+        if arch == "SmolLM3ForCausalLM":  # llama.cpp's fixed rule: every 4th layer has no RoPE
+            all_local = {"nope_layers": tuple((i + 1) % 4 == 0 for i in range(layers))}
         rotary_dim = int(self.arch_field("rope.dimension_count", head_dim))
         return ModelConfig(
             architecture=arch,

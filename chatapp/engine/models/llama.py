@@ -1,8 +1,8 @@
-"""Our forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3/Phi-4).
+"""Our forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, SmolLM3).
 
 The differences between these are small and are flags here: q/k/v biases
 (Qwen2), per-head RMSNorm of q and k (Qwen3), tied embeddings, RoPE on part of
-each head and LongRoPE tables (Phi; rope.py). Attention reads
+each head and LongRoPE tables (Phi; rope.py), layers without RoPE (SmolLM3). Attention reads
 and writes the engine's paged KV cache through an attention backend; the
 q/k/v and gate/up projections are fused into one matmul each.
 """
@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.kv_size = mc.num_kv_heads * mc.head_dim
         self.qkv_proj = nn.Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, bias=mc.attention_bias, device=device)
         self.o_proj = nn.Linear(self.q_size, mc.hidden_size, bias=False, device=device)
+        self.use_rope = mc.layer_uses_rope(layer)
         if mc.qk_norm:
             self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, device)
             self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, device)
@@ -58,7 +59,8 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = rope.rotate(qk, table)  # q and k in one go
+        if self.use_rope:
+            qk = rope.rotate(qk, table)  # q and k in one go
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer, qk[:, : self.num_heads], qk[:, self.num_heads :], v)
         return self.o_proj(out.reshape(t, self.q_size))
