@@ -160,6 +160,7 @@ _GGUF_ARCH = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "SmolLM3ForCausalLM": "smollm3",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -209,6 +210,10 @@ def write_hf_model_gguf(model_dir: Path, path: Path, type_name: str) -> Path:
     if global_rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(global_rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if rope.get("rope_type") == "longrope":
         original = hf["original_max_position_embeddings"]
         factor = hf["max_position_embeddings"] / original
@@ -249,11 +254,16 @@ def write_hf_model_gguf(model_dir: Path, path: Path, type_name: str) -> Path:
             put(dst + "attn_qkv.weight", weights[src + "self_attn.qkv_proj.weight"])
             put(dst + "ffn_up.weight", weights[src + "mlp.gate_up_proj.weight"])
             continue
-        if arch == "smollm3":  # Llama's layout
+        if arch in ("smollm3", "qwen3"):  # Llama's layout (q/k rows permuted for SmolLM3's Llama converter)
             norm(dst + "ffn_norm.weight", weights[src + "post_attention_layernorm.weight"])
-            put(dst + "attn_q.weight", _llama_cpp_permute(weights[src + "self_attn.q_proj.weight"], heads))
-            kv_heads = hf["num_key_value_heads"]
-            put(dst + "attn_k.weight", _llama_cpp_permute(weights[src + "self_attn.k_proj.weight"], kv_heads))
+            q, k = weights[src + "self_attn.q_proj.weight"], weights[src + "self_attn.k_proj.weight"]
+            if arch == "smollm3":
+                q, k = _llama_cpp_permute(q, heads), _llama_cpp_permute(k, hf["num_key_value_heads"])
+            put(dst + "attn_q.weight", q)
+            put(dst + "attn_k.weight", k)
+            if src + "self_attn.q_norm.weight" in weights:
+                norm(dst + "attn_q_norm.weight", weights[src + "self_attn.q_norm.weight"])
+                norm(dst + "attn_k_norm.weight", weights[src + "self_attn.k_norm.weight"])
             put(dst + "attn_v.weight", weights[src + "self_attn.v_proj.weight"])
             put(dst + "ffn_gate.weight", weights[src + "mlp.gate_proj.weight"])
             put(dst + "ffn_up.weight", weights[src + "mlp.up_proj.weight"])

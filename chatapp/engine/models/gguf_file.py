@@ -322,6 +322,17 @@ class GGUFModelFile:
         kind = self.arch_field("rope.scaling.type")
         if kind in (None, "none"):
             return None
+        factor = float(self.arch_field("rope.scaling.factor", 1.0))
+        if kind == "yarn":  # Qwen's long-context setting, as its converter writes it
+            scaling: dict[str, Any] = {
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": int(self._required("rope.scaling.original_context_length")),
+            }
+            for ours, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+                if self.arch_field(f"rope.scaling.{key}") is not None:
+                    scaling[ours] = float(self.arch_field(f"rope.scaling.{key}"))
+            return scaling
         if kind != "linear":
             raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported")
-        return {"rope_type": "linear", "factor": float(self.arch_field("rope.scaling.factor", 1.0))}
+        return {"rope_type": "linear", "factor": factor}
