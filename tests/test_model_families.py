@@ -89,10 +89,15 @@ def _exact(path: Path, **overrides) -> LLM:
 
 @functools.lru_cache(maxsize=8)
 def _hf_model(path: str):
-    """Hugging Face's eager attention: its SDPA path leaves Gemma 2's soft-capping out."""
-    from transformers import AutoModelForCausalLM
+    """Hugging Face's eager attention (its SDPA path leaves Gemma 2's soft-capping out); a multimodal
+    checkpoint through its own class."""
+    import json
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+    cls = AutoModelForImageTextToText if arch.endswith("ConditionalGeneration") else AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _hf(path: Path, prompt_ids: list[int], n: int) -> list[int]:
@@ -199,6 +204,44 @@ def test_gemma_local_layers_see_only_their_window(tmp_path: Path) -> None:
     b = _exact(unwindowed, kv_cache_memory_gib=0.02).prompt_logits(ids)
     assert torch.equal(a[:8], b[:8])  # the first 8 positions see the same keys either way
     assert not torch.allclose(a[8:], b[8:], atol=1e-3)
+
+
+def test_a_gemma3_multimodal_checkpoint_runs_its_text_model(tmp_path: Path) -> None:
+    """google/gemma-3-4b-it and larger come as Gemma3ForConditionalGeneration: their text model (the
+    weights under language_model.) answers as Hugging Face's does for a text-only prompt."""
+    import transformers
+
+    from tests.tiny_model import save_bundled_tokenizer
+
+    text = transformers.Gemma3TextConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        initializer_range=0.02,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    save_bundled_tokenizer(tmp_path)
+    randomise_norms(tmp_path)
+    llm = _exact(tmp_path, kv_cache_memory_gib=0.02)
+    assert llm.core.runner.mc.architecture == "Gemma3ForCausalLM"
+    for out in llm.generate(PROMPTS[:2], GREEDY_32):
+        assert out.outputs[0].token_ids == _hf(tmp_path, out.prompt_token_ids, 32)
 
 
 def test_longrope_tables_take_the_long_factors_past_the_pretraining_length(tmp_path: Path) -> None:

@@ -22,6 +22,8 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",  # Llama with every 4th layer unrotated (NoPE)
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Multimodal checkpoints whose text model we run (the vision tower's weights are left unread).
+MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # Architectures whose attention Hugging Face limits to config.sliding_window at every layer: every
 # layer is a local one (attention.py and the C++ kernel window it), the context is not capped.
@@ -115,8 +117,21 @@ def _checkpoint_dtype(name: str | None) -> torch.dtype | None:
     return getattr(torch, name)
 
 
+def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text config, as its text-only architecture's (others: as they are)."""
+    archs = hf.get("architectures") or []
+    if not archs or archs[0] not in MULTIMODAL_TEXT_MODELS or not isinstance(hf.get("text_config"), dict):
+        return hf
+    text = dict(hf["text_config"], architectures=[MULTIMODAL_TEXT_MODELS[archs[0]]])
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype"):
+        if key in hf and text.get(key) is None:
+            text[key] = hf[key]
+    return text
+
+
 def check_supported(hf_config: dict[str, Any]) -> str:
     """Return the architecture name, or raise UnsupportedModelError naming it."""
+    hf_config = text_model_config(hf_config)
     archs = hf_config.get("architectures") or []
     arch = archs[0] if archs else f"<model_type {hf_config.get('model_type', 'unknown')!r}>"
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -225,6 +240,7 @@ def _smollm3_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    hf = text_model_config(hf)
     arch = check_supported(hf)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])

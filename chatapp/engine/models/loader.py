@@ -26,6 +26,9 @@ _FUSED = {
 }
 
 
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 class CheckpointError(ValueError):
     """The checkpoint's files do not match what its config describes."""
 
@@ -78,8 +81,12 @@ def load_model(
 def _load_tensor(
     name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter], loaded: set[str], mc: ModelConfig
 ) -> None:
-    if name.startswith("model."):
-        name = name[len("model.") :]
+    if name.startswith(_OTHER_TOWERS):
+        return  # a multimodal checkpoint's vision weights: we run its text model
+    for prefix in ("language_model.model.", "model.language_model.", "language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
     if "rotary_emb" in name:
         return
     if name == "lm_head.weight" and mc.tie_word_embeddings:
