@@ -161,7 +161,27 @@ _GGUF_ARCH = {
     "Gemma3ForCausalLM": "gemma3",
     "SmolLM3ForCausalLM": "smollm3",
     "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
 }
+
+
+def _llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Llama 3.1's frequency factors as llama.cpp's converter stores them (rope_freqs.weight)."""
+    base, factor = rope.get("rope_theta", 10000.0), rope["factor"]
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_len = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def _llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
@@ -210,6 +230,8 @@ def write_hf_model_gguf(model_dir: Path, path: Path, type_name: str) -> Path:
     if global_rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(global_rope["factor"])
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(rope, head_dim))
     if rope.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -254,10 +276,10 @@ def write_hf_model_gguf(model_dir: Path, path: Path, type_name: str) -> Path:
             put(dst + "attn_qkv.weight", weights[src + "self_attn.qkv_proj.weight"])
             put(dst + "ffn_up.weight", weights[src + "mlp.gate_up_proj.weight"])
             continue
-        if arch in ("smollm3", "qwen3"):  # Llama's layout (q/k rows permuted for SmolLM3's Llama converter)
+        if arch in ("smollm3", "qwen3", "llama"):  # Llama's layout (q/k rows permuted by Llama's converter)
             norm(dst + "ffn_norm.weight", weights[src + "post_attention_layernorm.weight"])
             q, k = weights[src + "self_attn.q_proj.weight"], weights[src + "self_attn.k_proj.weight"]
-            if arch == "smollm3":
+            if arch in ("smollm3", "llama"):
                 q, k = _llama_cpp_permute(q, heads), _llama_cpp_permute(k, hf["num_key_value_heads"])
             put(dst + "attn_q.weight", q)
             put(dst + "attn_k.weight", k)

@@ -274,6 +274,7 @@ GGUF_MODELS = {
     "gemma2": dict(arch="Gemma2ForCausalLM", **GEMMA, query_pre_attn_scalar=16),
     "smollm3": FAMILIES["smollm3-nope"],
     "qwen3-yarn": FAMILIES["qwen3-yarn"],
+    "llama3.1-rope": FAMILIES["llama3.1-rope"],
 }
 
 
@@ -281,7 +282,8 @@ GGUF_MODELS = {
 def test_a_llama_cpp_style_gguf_runs_the_models_own_tokens(name: str, tmp_path: Path) -> None:
     """The same weights written as llama.cpp writes the family's GGUF (Phi-3: fused attn_qkv and
     ffn_up, LongRoPE factor tensors; Gemma: norms stored with their 1 added, the extra norms;
-    SmolLM3: q/k rows permuted, every 4th layer without RoPE; Qwen3: YaRN in the metadata) give
+    SmolLM3 and Llama: q/k rows permuted, every 4th SmolLM3 layer without RoPE; Llama 3.1: its rope
+    frequency factors as a tensor; Qwen3: YaRN in the metadata) give
     Hugging Face's tokens in float32; in Q8_0 and Q4_0 they run natively and follow the float run of
     the de-quantised weights."""
     model_dir = make_tiny_model(tmp_path / name, **GGUF_MODELS[name])
