@@ -22,12 +22,17 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",  # Llama with every 4th layer unrotated (NoPE)
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SOFTCAP_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma 2's, by config and GGUF name
 # Multimodal checkpoints whose text model we run (the vision tower's weights are left unread).
 MULTIMODAL_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # Architectures whose attention Hugging Face limits to config.sliding_window at every layer: every
 # layer is a local one (attention.py and the C++ kernel window it), the context is not capped.
 _WINDOWED = ("MistralForCausalLM", "Phi3ForCausalLM")
+
+
+def optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 class UnsupportedModelError(ValueError):
@@ -207,7 +212,6 @@ def _gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise UnsupportedModelError(f"{arch} with activation {activation!r} is not supported")
-    caps = {key: hf.get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
     return {
         "rope_theta": theta,
         "rope_scaling": scaling,
@@ -215,12 +219,7 @@ def _gemma_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
         "local_layers": tuple(t == "sliding_attention" for t in layer_types),
         "local_rope_theta": local_theta if arch == "Gemma3ForCausalLM" else None,
         "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 256),
-        "attn_logit_softcapping": None
-        if caps["attn_logit_softcapping"] is None
-        else float(caps["attn_logit_softcapping"]),
-        "final_logit_softcapping": None
-        if caps["final_logit_softcapping"] is None
-        else float(caps["final_logit_softcapping"]),
+        **{key: optional_float(hf.get(key)) for key in SOFTCAP_FIELDS},
         "norm_weight_offset": 1.0,
         "qk_norm": arch == "Gemma3ForCausalLM",
     }

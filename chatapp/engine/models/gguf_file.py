@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from chatapp.engine.models.config import ModelConfig, UnsupportedModelError
+from chatapp.engine.models.config import SOFTCAP_FIELDS, ModelConfig, UnsupportedModelError, optional_float
 
 # GGUF `general.architecture` -> the Hugging Face architecture our forward runs for it.
 GGUF_ARCHITECTURES = {
@@ -285,18 +285,12 @@ class GGUFModelFile:
         layers = int(self._required("block_count"))
         # As llama.cpp: the 27B models scale queries by hidden / heads, the others by the head size.
         scalar = hidden // heads if layers in (46, 62) else head_dim
-        caps = {key: self.arch_field(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
         return {
             "sliding_window": int(self._required("attention.sliding_window")),
             "local_layers": tuple((i + 1) % every != 0 for i in range(layers)),
             "local_rope_theta": 10000.0 if self.architecture == "gemma3" else None,
             "query_pre_attn_scalar": float(scalar),
-            "attn_logit_softcapping": None
-            if caps["attn_logit_softcapping"] is None
-            else float(caps["attn_logit_softcapping"]),
-            "final_logit_softcapping": None
-            if caps["final_logit_softcapping"] is None
-            else float(caps["final_logit_softcapping"]),
+            **{key: optional_float(self.arch_field(key)) for key in SOFTCAP_FIELDS},
         }
 
     def _float_values(self, name: str) -> tuple[float, ...]:
