@@ -1,4 +1,5 @@
-"""Hands our model's weights to the C++ layer loop (chatapp/engine/csrc/cpu_forward.cpp)."""
+"""Hands our model's weights to the C++ layer loop (chatapp/engine/csrc/cpu_forward.cpp): the Llama
+family's layers and Gemma's (their extra norms, windows and RoPE-less layers by flags)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,9 @@ def build_cpu_model(ext: ModuleType, model: LlamaForCausalLM):
         mc.attn_logit_softcapping or 0.0,
         mc.is_gemma,
     )
+    gemma = mc.is_gemma  # sandwich norms: each block's output normed before the residual
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        gemma = mc.is_gemma
         cpu.add_layer(
             layer.input_layernorm.weight.detach(),
             layer.mlp_input_norm.weight.detach(),
