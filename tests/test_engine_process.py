@@ -23,7 +23,7 @@ import pytest_asyncio
 
 from chatapp import paths
 from chatapp.engine import LLM, SamplingParams, ipc
-from chatapp.engine.api import EngineBusyError, EngineDeadError, EngineStats, InvalidRequestError
+from chatapp.engine.api import EngineBusyError, EngineDeadError, EngineState, EngineStats, InvalidRequestError
 from chatapp.engine.client import AsyncEngineClient, EngineModelMismatchError
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import context_length_error
@@ -442,14 +442,14 @@ async def test_killed_engine_fails_every_client_fast_and_restarts(tiny_model: Pa
         results = await asyncio.wait_for(asyncio.gather(*tasks, pending_call, return_exceptions=True), 10)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert len(failed_at) == 2 and max(failed_at) - killed < 2.0  # the fault-detection bound of the issue
-        assert first.state == second.state == "dead"
+        assert first.state is second.state is EngineState.DEAD  # the typed state, not a bare string
         with pytest.raises(EngineDeadError):
             await first.stats()
         with pytest.raises(EngineDeadError):
             await anext(first.generate("hi"))
 
         await first.restart()
-        assert first.state == "ready" and first.spawned_engine and first.engine_pid != old_pid
+        assert first.state is EngineState.READY and first.spawned_engine and first.engine_pid != old_pid
         await second.restart()
         assert second.engine_pid == first.engine_pid and not second.spawned_engine
         for c in (first, second):
@@ -458,7 +458,7 @@ async def test_killed_engine_fails_every_client_fast_and_restarts(tiny_model: Pa
     finally:
         await second.close()
         await first.close()
-    assert first.state == "closed"
+    assert first.state is EngineState.CLOSED
     assert ipc.read_record(private_runtime) is None  # the engine left with its last client
 
 

@@ -42,6 +42,19 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+class EngineState(enum.StrEnum):
+    """Where a client's engine is in its life; the server's health and the TUI's status bar read it.
+
+    A StrEnum, so it compares equal to its value and goes through JSON and logs as a plain string.
+    """
+
+    STARTING = "starting"  # looking for, or starting, the engine process
+    LOADING = "loading"  # the engine is loading a model (state_detail has the progress line)
+    READY = "ready"
+    DEAD = "dead"  # the engine process died or could not start (state_detail says why)
+    CLOSED = "closed"  # the client was closed
+
+
 class ErrorKind(enum.StrEnum):
     """What kind of failure an engine reply or a failed load reports, so a client raises the right error."""
 

@@ -61,6 +61,7 @@ from chatapp.engine.api import (
     EngineBusyError,
     EngineDeadError,
     EngineError,
+    EngineState,
     EngineStats,
     ErrorKind,
     InvalidRequestError,
@@ -75,7 +76,7 @@ from chatapp.engine.tokenizer import ChatFormatError, Tokenizer
 
 log = logging.getLogger(__name__)
 
-State = Literal["starting", "loading", "ready", "dead", "closed"]
+State = EngineState  # the client lifecycle (api.py)
 StateListener = Callable[[str, str], None]
 
 HELLO_TIMEOUT_S = 15.0
@@ -121,7 +122,7 @@ class AsyncEngineClient:
         self.config = config or EngineConfig()
         self.on_model_mismatch = on_model_mismatch
         self._runtime_arg = Path(runtime_dir) if runtime_dir is not None else None
-        self.state: State = "starting"
+        self.state: State = EngineState.STARTING
         self.state_detail = ""
         self.model_info: ModelInfo | None = None  # set once ready (and again after a model switch)
         self.tokenizer: Tokenizer | None = None  # the model's tokenizer, loaded here from model_info.path
@@ -164,7 +165,7 @@ class AsyncEngineClient:
         loaded, EngineModelMismatchError (see __init__). A call made while a
         start or restart is already under way waits for that one.
         """
-        if self.state == "ready":
+        if self.state == EngineState.READY:
             return
         await self._only_once(self._start)
 
@@ -201,10 +202,10 @@ class AsyncEngineClient:
             raise EngineDeadError("the engine client was closed while starting") from None
 
     async def _start(self) -> None:
-        if self.state == "ready":
+        if self.state == EngineState.READY:
             return
         self._death = None
-        self._set_state("starting", "looking for a running engine")
+        self._set_state(EngineState.STARTING, "looking for a running engine")
         try:
             for attempt in range(2):
                 try:
@@ -213,34 +214,34 @@ class AsyncEngineClient:
                 except _EngineLeft:
                     # It exited between our reading its record and its answer; the next try spawns anew.
                     await self._teardown()
-                    self._set_state("starting", "the engine left; trying again")
+                    self._set_state(EngineState.STARTING, "the engine left; trying again")
                     if attempt == 1:
                         raise EngineDeadError("the engine exited while this client was attaching; retry") from None
-            while self.state not in ("ready", "dead", "closed"):
+            while self.state not in (EngineState.READY, EngineState.DEAD, EngineState.CLOSED):
                 await self._wait_state_change()
         except BaseException as exc:  # incl. cancellation: never stay half-attached
             await self._detach()
-            if self.state not in ("dead", "closed"):
+            if self.state not in (EngineState.DEAD, EngineState.CLOSED):
                 self._death = exc if isinstance(exc, EngineError) else EngineDeadError(f"start failed: {exc}")
-                self._set_state("dead", str(exc))
+                self._set_state(EngineState.DEAD, str(exc))
             raise
-        if self.state != "ready":
+        if self.state != EngineState.READY:
             raise self._death or EngineDeadError("the engine client was closed while starting")
 
     async def _restart(self) -> None:
         await self._detach()
-        self._set_state("starting", "restarting")
+        self._set_state(EngineState.STARTING, "restarting")
         await self._start()
 
     async def close(self) -> None:
         """Detach; the engine exits by itself when no client is left (waited for if this client spawned it)."""
-        if self.state == "closed":
+        if self.state == EngineState.CLOSED:
             return
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()  # a start under way detaches what it had built when cancelled
             await asyncio.wait({self._starting})
         await self._detach()
-        self._set_state("closed", "")
+        self._set_state(EngineState.CLOSED, "")
 
     async def __aenter__(self) -> AsyncEngineClient:
         await self.start()
@@ -325,12 +326,12 @@ class AsyncEngineClient:
             self._streams.pop(request_id, None)
             if processor.has(request_id):
                 processor.drop(request_id)
-                if self.state in ("ready", "loading"):
+                if self.state in (EngineState.READY, EngineState.LOADING):
                     self._send(ipc.AbortRequests([request_id]))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with finish_reason "abort" (no-op when unknown or finished)."""
-        if request_id in self._streams and self.state in ("ready", "loading"):
+        if request_id in self._streams and self.state in (EngineState.READY, EngineState.LOADING):
             self._send(ipc.AbortRequests([request_id]))
 
     async def stats(self) -> EngineStats:
@@ -354,11 +355,11 @@ class AsyncEngineClient:
     # -- requests: validation and tokenization ------------------------------------------
 
     def _require_ready(self) -> None:
-        if self.state == "ready":
+        if self.state == EngineState.READY:
             return
-        if self.state == "dead":
+        if self.state == EngineState.DEAD:
             raise self._death or EngineDeadError("the engine died; restart it")
-        if self.state == "closed":
+        if self.state == EngineState.CLOSED:
             raise EngineDeadError("this engine client is closed")
         raise EngineBusyError(f"the engine is not ready ({self.state}: {self.state_detail}); retry shortly")
 
@@ -414,7 +415,7 @@ class AsyncEngineClient:
     # -- calls ---------------------------------------------------------------------------
 
     async def _call(self, make: Callable[[int], Any], invalid_param: str | None = None) -> Any:
-        if self.state not in ("ready", "loading"):
+        if self.state not in (EngineState.READY, EngineState.LOADING):
             self._require_ready()
         call_id = self._next_call
         self._next_call += 1
@@ -492,7 +493,7 @@ class AsyncEngineClient:
 
     async def _spawn(self, runtime: Path) -> ipc.EngineRecord:
         """Start the engine process and wait until it has bound its socket and written its record."""
-        self._set_state("starting", "starting the engine process")
+        self._set_state(EngineState.STARTING, "starting the engine process")
         log_path = runtime / ipc.LOG_FILE
         _rotate(log_path)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -557,7 +558,7 @@ class AsyncEngineClient:
         """Follow the engine's state; on "ready" (re)load the tokenizer first, so requests can be tokenized."""
         if state == "ready" and info is not None:
             if self.tokenizer is None or self.model_info is None or self.model_info.path != info.path:
-                self._set_state("loading", f"loading the tokenizer of {info.name}")
+                self._set_state(EngineState.LOADING, f"loading the tokenizer of {info.name}")
                 try:
                     tokenizer = await asyncio.to_thread(Tokenizer, info.path)
                 except Exception as exc:
@@ -567,9 +568,9 @@ class AsyncEngineClient:
                 self.tokenizer = tokenizer
                 self._processor = OutputProcessor(tokenizer)
             self.model_info = info
-            self._set_state("ready", detail)
+            self._set_state(EngineState.READY, detail)
         elif state == "loading":
-            self._set_state("loading", detail)
+            self._set_state(EngineState.LOADING, detail)
 
     # -- background tasks -------------------------------------------------------------
 
@@ -687,7 +688,7 @@ class AsyncEngineClient:
 
     def _die(self, error: EngineError | InvalidRequestError) -> None:
         """Fail every stream and call at once, drop the connection, and go to "dead"."""
-        if self.state in ("dead", "closed"):
+        if self.state in (EngineState.DEAD, EngineState.CLOSED):
             return
         self._death = error
         self._fail_pending(error)
@@ -695,7 +696,7 @@ class AsyncEngineClient:
             if task is not asyncio.current_task():
                 task.cancel()
         self._close_socket()
-        self._set_state("dead", str(error))
+        self._set_state(EngineState.DEAD, str(error))
 
     def _fail_pending(self, error: Exception) -> None:
         for stream in self._streams.values():
@@ -714,14 +715,14 @@ class AsyncEngineClient:
     async def _detach(self) -> None:
         """Say bye (when the engine is alive), fail what is pending, and reap an engine we spawned and left."""
         remaining = None
-        if self._sock is not None and self.state in ("ready", "loading", "starting"):
+        if self._sock is not None and self.state in (EngineState.READY, EngineState.LOADING, EngineState.STARTING):
             self._bye = asyncio.get_running_loop().create_future()
             self._send(ipc.Bye())
             with contextlib.suppress(TimeoutError, EngineError):
                 remaining = (await asyncio.wait_for(asyncio.shield(self._bye), BYE_TIMEOUT_S)).remaining_clients
         self._fail_pending(EngineDeadError("this engine client was closed"))
         await self._teardown()
-        if self._popen is not None and (remaining == 0 or self.state == "dead"):
+        if self._popen is not None and (remaining == 0 or self.state == EngineState.DEAD):
             await self._reap(self._popen)  # it is leaving (or gone): collect it so no zombie stays
         self._popen = None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from chatapp.engine.api import EngineClient, EngineDeadError, ModelInfo
+from chatapp.engine.api import EngineClient, EngineDeadError, EngineState, ModelInfo
 from chatapp.server.errors import APIError, from_engine_error, unavailable
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,10 @@ class ServerState:
             return "loading"
         if self._restart is not None and not self._restart.done():
             return "restarting"
-        client_state = getattr(self.client, "state", "ready")
-        if not isinstance(client_state, str) or client_state == "ready":
+        client_state = getattr(self.client, "state", EngineState.READY)
+        if not isinstance(client_state, str) or client_state == EngineState.READY:
             return "ready" if self.client.model_info is not None else "loading"
-        return "loading" if client_state == "starting" else client_state
+        return "loading" if client_state == EngineState.STARTING else str(client_state)
 
     def engine(self) -> EngineClient:
         """The client to use now, or a 503 with Retry-After while there is none ready."""

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, EngineStats
+from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, EngineState, EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ class LocalEngine:
         self._state = "starting"
         try:
             self._client = await self._factory()
-            if _state_name(getattr(self._client, "state", "ready")) != "ready" and hasattr(self._client, "start"):
+            ready = _state_name(getattr(self._client, "state", EngineState.READY)) == EngineState.READY
+            if not ready and hasattr(self._client, "start"):
                 # Kept before starting, so the status bar can show "loading" and its progress line.
                 await self._client.start()
         except (EngineError, OSError, ValueError, RuntimeError) as exc:
