@@ -23,7 +23,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from chatapp.engine.models.llama import LlamaForCausalLM
+from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.llama import LlamaForCausalLM, projections
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +48,39 @@ def _fp16_bytes(values: torch.Tensor, tiles: int) -> torch.Tensor:
     return half.view(torch.uint8)
 
 
+_PACK_CHUNK = 1 << 20  # weights packed per chunk of whole tiles: ~4 MB of float32 at a time
+
+
+def _by_row_chunks(pack_rows, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Pack a weight a few tiles at a time (tiles are independent), so that packing a large LM head
+    needs a few MB of float temporaries rather than several copies of the whole weight."""
+    n, k = weight.shape
+    step = max(TILE, _PACK_CHUNK // max(k, 1) // TILE * TILE)
+    out: torch.Tensor | None = None
+    error = 0.0
+    for start in range(0, n, step):
+        packed, chunk_error = pack_rows(weight[start : start + step])
+        if out is None:
+            out = torch.empty((-(-n // TILE), *packed.shape[1:]), dtype=packed.dtype)
+        out[start // TILE : start // TILE + packed.shape[0]] = packed
+        error = max(error, chunk_error)
+    return out, error
+
+
 def pack_q4(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Q4_1 blocks (w = d * q + m, q in 0..15) in the kernel's layout, and the largest |error|.
 
     The error is 0 when the weights already were Q4_1 blocks (dequantized from a GGUF file).
     """
+    return _by_row_chunks(_pack_q4_rows, weight)
+
+
+def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Q8_0 blocks (w = d * q, q in -128..127) in the kernel's layout, and the largest |error|."""
+    return _by_row_chunks(_pack_q8_rows, weight)
+
+
+def _pack_q4_rows(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     w = _blocks(weight)
     tiles = w.shape[0] // TILE
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
@@ -68,8 +97,7 @@ def pack_q4(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     return packed, error
 
 
-def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Q8_0 blocks (w = d * q, q in -128..127) in the kernel's layout, and the largest |error|."""
+def _pack_q8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
     w = _blocks(weight)
     tiles = w.shape[0] // TILE
     d = (w.abs().amax(dim=-1) / 127).half().float()
@@ -252,53 +280,52 @@ def _exact(weight: torch.Tensor, error: float) -> bool:
     return error <= 1e-6 * max(1.0, float(weight.abs().max()))
 
 
-def _linears(model: LlamaForCausalLM) -> dict[str, tuple[nn.Module, torch.Tensor]]:
-    """Every projection to quantize, by name, with its float weight; the LM head last."""
-    found: dict[str, tuple[nn.Module, torch.Tensor]] = {}
-    for i, layer in enumerate(model.layers):
-        for name in ("qkv_proj", "o_proj"):
-            found[f"layers.{i}.self_attn.{name}"] = (layer.self_attn, getattr(layer.self_attn, name).weight.detach())
-        for name in ("gate_up_proj", "down_proj"):
-            found[f"layers.{i}.mlp.{name}"] = (layer.mlp, getattr(layer.mlp, name).weight.detach())
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    found["head"] = (model, head.detach())
-    return found
+def blocks_fit(mc: ModelConfig) -> bool:
+    """Every projection's input width is whole blocks of 32 (hidden, attention and MLP widths)."""
+    return not (mc.hidden_size % BLOCK or (mc.num_heads * mc.head_dim) % BLOCK or mc.intermediate_size % BLOCK)
+
+
+def _lossless(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The weight's exact Q4_1 (preferred) or Q8_0 blocks, or None where it is not such blocks."""
+    for bits in (4, 8):
+        packed, error = _pack(weight, bits)
+        if _exact(weight, error):
+            return packed, bits
+    return None
 
 
 @torch.no_grad()
-def quantize_blocks(model: LlamaForCausalLM, ext: ModuleType | None, lossless_only: bool) -> bool:
-    """Swap every projection and the LM head for BlockQuantLinear; False (model untouched) if it can't.
+def pack_layer(layer: nn.Module, ext: ModuleType | None, lossless_only: bool) -> bool:
+    """Swap a decoder layer's projections for BlockQuantLinear; False (layer untouched) if it can't.
 
-    lossless_only: each weight must already be exactly Q4_1 (preferred) or Q8_0 blocks.
-    Otherwise projections are rounded to 4 bits and the LM head to 8 (the head's error
-    reaches every logit directly).
+    lossless_only: each weight must already be exactly Q4_1 or Q8_0 blocks; otherwise the
+    projections are rounded to 4 bits.
     """
-    if model.config.hidden_size % BLOCK or model.config.intermediate_size % BLOCK:
-        return False
-    chosen: dict[str, tuple[torch.Tensor, int]] = {}
-    for name, (_owner, weight) in _linears(model).items():
-        if weight.shape[1] % BLOCK:
+    chosen: list[tuple[torch.Tensor, int]] = []
+    for owner, attr in projections(layer):
+        weight = getattr(owner, attr).weight.detach()
+        found = _lossless(weight) if lossless_only else (pack_q4(weight)[0], 4)
+        if found is None:
             return False
-        if lossless_only:
-            for bits in (4, 8):
-                packed, error = _pack(weight, bits)
-                if _exact(weight, error):
-                    break
-            else:
-                log.info("%s is not exactly 4- or 8-bit blocks: keeping int8", name)
-                return False
-        else:
-            bits = 8 if name == "head" else 4
-            packed, _error = _pack(weight, bits)
-        chosen[name] = (packed, bits)
-    for name, (owner, weight) in _linears(model).items():
-        packed, bits = chosen[name]
-        attr = name.rsplit(".", 1)[-1]
-        old = getattr(owner, attr) if attr != "head" else None
-        bias = None if old is None else old.bias
-        linear = BlockQuantLinear.single(packed, bits, weight.shape[1], weight.shape[0], bias, ext)
-        if attr == "head":
-            model.quantized_lm_head = linear
-        else:
-            setattr(owner, attr, linear)
+        chosen.append(found)
+    for (owner, attr), (packed, bits) in zip(projections(layer), chosen):
+        old = getattr(owner, attr)
+        k, n = old.weight.shape[1], old.weight.shape[0]
+        setattr(owner, attr, BlockQuantLinear.single(packed, bits, k, n, old.bias, ext))
+    return True
+
+
+@torch.no_grad()
+def pack_head(model: LlamaForCausalLM, ext: ModuleType | None, lossless_only: bool) -> bool:
+    """The LM head as 8-bit blocks (its error reaches every logit directly), or its exact blocks.
+
+    An untied head's float weight is dropped; tied embeddings stay for the lookup.
+    """
+    weight = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach()
+    found = _lossless(weight) if lossless_only else (pack_q8(weight)[0], 8)
+    if found is None:
+        return False
+    packed, bits = found
+    model.quantized_lm_head = BlockQuantLinear.single(packed, bits, weight.shape[1], weight.shape[0], None, ext)
+    model.lm_head = None
     return True

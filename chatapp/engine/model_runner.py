@@ -13,7 +13,6 @@ import logging
 import mmap
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -95,12 +94,12 @@ class ModelRunner:
             check_fits(weight_bytes, self.num_blocks * self.bytes_per_block(), self.mc)
         start = time.perf_counter()
         self.model = self._load(source, ext)
-        log.info("loaded %s weights in %.2f s", self.mc.architecture, time.perf_counter() - start)
+        log.info(
+            "loaded %s weights (%s) in %.2f s", self.mc.architecture, self.quantization, time.perf_counter() - start
+        )
         if self.device.type != "cpu":
             self.num_blocks = self._choose_num_blocks()
         self.sampler = Sampler()
-        if self.quantization != "gguf":
-            self._quantize(ext, source.path)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
         self.cpu_forward = self._build_cpu_forward(ext)
         self.attn = None if self.cpu_forward is not None else self._make_attention_backend()
@@ -122,43 +121,54 @@ class ModelRunner:
 
             return native_weight_bytes(source.gguf, self.mc)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.mc.num_parameters() * elem
+        if self._quantization_mode() is None:
+            return self.mc.num_parameters() * elem
+        # Quantized as loaded: projections at most 1 byte a weight (int8; int4 is less), the
+        # embeddings in float, plus the one float layer in hand at a time.
+        mc = self.mc
+        embed = mc.vocab_size * mc.hidden_size
+        head = 0 if mc.tie_word_embeddings else embed
+        layers = mc.num_parameters() - embed - head
+        return layers + head + embed * elem + (layers // mc.num_layers) * elem
+
+    def _quantization_mode(self) -> str | None:
+        """The quantization to apply while loading floats (CPU): auto, int4, int8 or None."""
+        return self.quantization if self.quantization in ("auto", "int4", "int8") else None
 
     def _load(self, source: ModelSource, ext):
-        """The model's weights: a GGUF file's own blocks where our kernels run them, else floats."""
+        """The model's weights: a GGUF file's own blocks where our kernels run them, else floats,
+        quantized layer by layer as they load (recorded in self.quantization: int4, int8 or None)."""
         cfg = self.config
-        if source.gguf is None:
-            return load_model(source.path, self.mc, self.dtype, self.device, cfg.max_model_len)
-        from chatapp.engine.models.gguf_loader import load_gguf_float, load_gguf_native
-
         if self._native_gguf(source, ext):
+            from chatapp.engine.models.gguf_loader import load_gguf_native
+
             self.quantization = "gguf"
             return load_gguf_native(source.gguf, self.mc, cfg.max_model_len, ext)
-        if self.quantization == "gguf":
+        if self.quantization == "gguf" and source.gguf is not None:
             log.warning("the GGUF file's own types need our AVX2 or AVX-512 kernels; de-quantising to float32")
-            self.quantization = None
-        return load_gguf_float(source.gguf, self.mc, self.dtype, self.device, cfg.max_model_len)
+        mode = self._quantization_mode()
+        quantizer = None
+        if mode is not None:
+            from chatapp.engine.load_quantizer import LoadQuantizer, calibration_prefill
 
-    def _quantize(self, ext, model_dir: Path) -> None:
-        """Apply the asked quantization, recording in self.quantization what was applied (int4, int8 or None)."""
-        from chatapp.engine.block_quant import BLOCK, quantize_blocks
+            quantizer = LoadQuantizer(
+                mode,
+                ext,
+                lambda: calibration_prefill(
+                    source.path, self.mc, self.device, cfg.torch_kv_dtype(), cfg.max_model_len, self.block_size
+                ),
+            )
+        if source.gguf is None:
+            model = load_model(source.path, self.mc, self.dtype, self.device, cfg.max_model_len, quantizer)
+        else:
+            from chatapp.engine.models.gguf_loader import load_gguf_float
 
-        start = time.perf_counter()
-        if self.quantization == "auto":
-            fast_blocks = ext is not None and ext.block_quant_fast()
-            lossless = fast_blocks and quantize_blocks(self.model, ext, lossless_only=True)
-            self.quantization = "int4" if lossless else "int8"
-            if lossless:
-                log.info("weights are 4/8-bit blocks already: kept as they are (int4)")
-        elif self.quantization == "int4" and not quantize_blocks(self.model, ext, lossless_only=False):
-            log.warning("int4 needs layer widths divisible by %d; using int8", BLOCK)
-            self.quantization = "int8"
-        if self.quantization == "int8":
-            from chatapp.engine.quantization import quantize_int8
-
-            quantize_int8(self.model, lambda: self._calibrate(model_dir))
-        if self.quantization:
-            log.info("quantized linear layers (%s) in %.2f s", self.quantization, time.perf_counter() - start)
+            model = load_gguf_float(source.gguf, self.mc, self.dtype, self.device, cfg.max_model_len)
+            if quantizer is not None:
+                quantizer.run(model)
+        self.quantization = None if quantizer is None else quantizer.applied
+        _return_freed_memory()
+        return model
 
     def bytes_per_block(self) -> int:
         mc = self.mc
@@ -242,34 +252,6 @@ class ModelRunner:
             shape = (num_blocks, mc.num_kv_heads, mc.head_dim, self.block_size)
             caches = [(k.view(shape), v) for k, v in caches]
         return caches
-
-    @torch.inference_mode()
-    def _calibrate(self, model_dir: Path) -> None:
-        """One float32 prefill of a fixed mixed text, to measure activation ranges for int8.
-
-        It runs the Python model with torch attention on a scratch cache of its own.
-        """
-        from chatapp.engine.quantization import CALIBRATION_TEXT
-        from chatapp.engine.tokenizer import Tokenizer
-
-        ids = Tokenizer(model_dir).encode(CALIBRATION_TEXT)
-        ids = [i for i in ids if i < self.mc.vocab_size][: self.config.max_model_len]
-        n = len(ids)
-        scratch = self._allocate_kv_caches(-(-n // self.block_size))
-        attn = TorchAttentionBackend(scratch, self.mc.num_heads, self.mc.head_dim, layer_attention(self.mc))
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(-(-n // self.block_size), dtype=torch.int32, device=self.device)[None],
-            query_lens_cpu=[n],
-            seq_lens_cpu=[n],
-            num_decodes=0,
-            max_query_len=n,
-            max_seq_len=n,
-        )
-        attn.begin_step(meta)
-        self.model(torch.tensor(ids, device=self.device), torch.arange(n, device=self.device), attn)
 
     def _make_attention_backend(self, kv_caches=None):
         kv_caches = kv_caches if kv_caches is not None else self.kv_caches
@@ -419,6 +401,21 @@ class _PreparedStep:
     meta: AttentionMetadata
     sample_rows: list[int]
     logits_indices: torch.Tensor
+
+
+def _return_freed_memory() -> None:
+    """Hand the float layers freed while quantizing back to the OS (glibc keeps freed chunks under
+    its adaptive mmap threshold in its heap, where they would count in the resident set for good)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

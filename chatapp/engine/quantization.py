@@ -39,12 +39,14 @@ same calibration pass at load time.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from chatapp.engine.models.llama import LlamaForCausalLM
+from chatapp.engine.attention import AttentionBackend
+from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.llama import LlamaForCausalLM, projections
 
 SMOOTH_ALPHA = 0.5
 OUTLIER_RATIO = 20.0  # a channel whose max is this many times the median channel's is kept in float
@@ -71,6 +73,7 @@ CALIBRATION_TEXT = (
 
 
 _INPUT_BUFFERS: dict[int, torch.Tensor] = {}
+_QUANTIZE_CHUNK = 1 << 20  # weights quantized per chunk: a 4 MB float32 slice at a time
 
 
 def _input_buffer(in_features: int, rows: int) -> torch.Tensor:
@@ -84,6 +87,48 @@ def _input_buffer(in_features: int, rows: int) -> torch.Tensor:
     return buf
 
 
+@dataclass
+class Int8Codes:
+    """A weight quantized per output channel: codes * scales[:, None], plus the outlier input
+    channels (zeroed in the codes) as float rows."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] float32
+    outliers: torch.Tensor | None
+    outlier_rows: list[torch.Tensor]  # one [N] float row per outlier channel
+
+
+def quantize_rows(
+    weight: torch.Tensor, outliers: torch.Tensor | None = None, smooth: torch.Tensor | None = None
+) -> Int8Codes:
+    """weight [N, K] (any float dtype, left untouched) times the per-input-channel factors ``smooth``,
+    with the ``outliers`` input channels set apart, quantized in row chunks: a 16-bit LM head of a
+    128k vocabulary never exists whole in float32."""
+    n, k = weight.shape
+    weight = weight.detach()
+    outliers = outliers if outliers is not None and outliers.numel() else None
+    rows_of = [] if outliers is None else outliers.tolist()
+    outlier_rows = [weight[:, c].float() * (1.0 if smooth is None else smooth[c]) for c in rows_of]
+    scales = torch.empty(n)
+    codes = torch.empty(n, k, dtype=torch.int8)
+    zero_points = torch.zeros(n, dtype=torch.long)
+    step = max(1, _QUANTIZE_CHUNK // k)
+    with warnings.catch_warnings():  # torch's quantized tensors warn about their own deprecation
+        warnings.simplefilter("ignore")
+        for start in range(0, n, step):
+            rows = slice(start, min(n, start + step))
+            w = weight[rows].float()
+            if smooth is not None:
+                w = w * smooth
+            if outliers is not None:
+                w = w.index_fill(1, outliers, 0.0)
+            chunk_scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+            q = torch.quantize_per_channel(w, chunk_scales.double(), zero_points[rows], 0, torch.qint8)
+            codes[rows] = q.int_repr()
+            scales[rows] = chunk_scales
+    return Int8Codes(codes, scales, outliers, outlier_rows)
+
+
 class Int8Linear(nn.Module):
     """y = x @ W^T (+ b) with W prepacked as int8 (fbgemm) and x quantized per token on the fly.
 
@@ -91,21 +136,24 @@ class Int8Linear(nn.Module):
     multiplied in float32 and added to the int8 result.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, outliers: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor | Int8Codes,
+        bias: torch.Tensor | None,
+        outliers: torch.Tensor | None = None,
+        smooth: torch.Tensor | None = None,
+    ) -> None:
+        """weight: float [N, K] (see quantize_rows for outliers and smooth), or its Int8Codes already made."""
         super().__init__()
-        weight = weight.detach().float()
-        self.outliers = outliers if outliers is not None and outliers.numel() else None
-        if self.outliers is not None:
-            self.outlier_rows = [weight[:, int(c)].clone() for c in self.outliers]  # one [N] row per channel
-            weight = weight.index_fill(1, self.outliers, 0.0)
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        q = weight if isinstance(weight, Int8Codes) else quantize_rows(weight, outliers, smooth)
+        self.outliers, self.outlier_rows = q.outliers, q.outlier_rows
+        zero_points = torch.zeros(q.codes.shape[0], dtype=torch.long)
         with warnings.catch_warnings():  # torch's quantized tensors warn about their own deprecation
             warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+            qweight = torch._make_per_channel_quantized_tensor(q.codes, q.scales.double(), zero_points, 0)
         self._packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.bias = None if bias is None else bias.detach().float()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.out_features, self.in_features = q.codes.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -126,26 +174,104 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_int8(model: LlamaForCausalLM, calibrate: Callable[[], None] | None) -> None:
-    """Smooth (if a calibration pass is given), then swap projections and the LM head for Int8Linear."""
-    if torch.backends.quantized.engine not in ("x86", "fbgemm"):
-        torch.backends.quantized.engine = "x86"
-    head_weight = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach().clone()
-    outliers: dict[str, torch.Tensor] = {}
-    if calibrate is not None:
-        maxima = _input_maxima(model, calibrate)
-        outliers = {name: _outlier_channels(m) for name, m in maxima.items()}
-        for name, channels in outliers.items():  # the float path handles them: do not smooth for them
-            maxima[name] = maxima[name].index_fill(0, channels, float(maxima[name].median()))
-        head_weight = _smooth(model, maxima, head_weight)
-    for i, layer in enumerate(model.layers):
+@dataclass
+class Calibration:
+    """CALIBRATION_TEXT's tokens, their positions and an attention backend on a scratch cache: a float
+    prefill that the int8 quantizer runs one decoder layer at a time."""
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionBackend
+
+
+class Int8Quantizer:
+    """Calibrates and swaps projections for Int8Linear one decoder layer at a time.
+
+    A layer is calibrated by running it in float on the calibration stream (the float output
+    of the layer before), then smoothed and quantized; so a loader can hand over each layer as
+    soon as its weights are in and no float model is ever whole. Without a calibration there is
+    no smoothing and no outlier channel.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, calibration: Calibration | None) -> None:
+        if torch.backends.quantized.engine not in ("x86", "fbgemm"):
+            torch.backends.quantized.engine = "x86"
+        self.mc = model.config
+        self.calibration = calibration
+        self.hidden: torch.Tensor | None = None
+        self.tables = None
+        if calibration is not None:
+            with torch.inference_mode():
+                self.hidden = model.embed(calibration.token_ids)
+                self.tables = model.rope_tables(calibration.positions)
+
+    def layer(self, model: LlamaForCausalLM, layer: nn.Module) -> None:
+        """Calibrate (advancing the stream), smooth and quantize one decoder layer, in place."""
+        outliers: dict[str, torch.Tensor] = {}
+        if self.calibration is not None:
+            maxima = self._run_and_measure(model, layer)
+            outliers = {name: _outlier_channels(m) for name, m in maxima.items()}
+            for name, channels in outliers.items():  # the float path handles them: do not smooth for them
+                maxima[name] = maxima[name].index_fill(0, channels, float(maxima[name].median()))
+            _smooth_layer(layer, maxima, self.mc)
         attn, mlp = layer.self_attn, layer.mlp
-        prefix = f"layers.{i}"
-        attn.qkv_proj = _int8(attn.qkv_proj, outliers.get(f"{prefix}.self_attn.qkv_proj"))
-        attn.o_proj = _int8(attn.o_proj, outliers.get(f"{prefix}.self_attn.o_proj"))
-        mlp.gate_up_proj = _int8(mlp.gate_up_proj, outliers.get(f"{prefix}.mlp.gate_up_proj"))
-        mlp.down_proj = _int8(mlp.down_proj, outliers.get(f"{prefix}.mlp.down_proj"))
-    model.quantized_lm_head = Int8Linear(head_weight, None, outliers.get("head"))
+        attn.qkv_proj = _int8(attn.qkv_proj, outliers.get("qkv_proj"))
+        attn.o_proj = _int8(attn.o_proj, outliers.get("o_proj"))
+        mlp.gate_up_proj = _int8(mlp.gate_up_proj, outliers.get("gate_up_proj"))
+        mlp.down_proj = _int8(mlp.down_proj, outliers.get("down_proj"))
+
+    def advance(self, model: LlamaForCausalLM, layer: nn.Module) -> None:
+        """Run a layer that stays as it is over the calibration stream, for the layers after it."""
+        if self.calibration is not None:
+            with torch.inference_mode():
+                self.hidden = model.run_layer(layer, self.hidden, self.tables, self.calibration.attn)
+
+    @torch.no_grad()
+    def finish(self, model: LlamaForCausalLM) -> None:
+        """The LM head in int8, smoothed into the final norm; an untied head's float weight is dropped."""
+        head_weight = (model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight).detach()
+        outliers = s = None
+        if self.calibration is not None:
+            with torch.inference_mode():
+                x_max = model.norm(self.hidden).abs().amax(dim=0).float()
+            outliers = _outlier_channels(x_max)
+            x_max = x_max.index_fill(0, outliers, float(x_max.median()))
+            # The head reads the final norm's output; the factors go into the int8 head only, so
+            # (tied) embeddings keep the unsmoothed weights.
+            s = _factor(x_max, head_weight)
+            model.norm.weight.div_(s)
+        codes = quantize_rows(head_weight, outliers, smooth=s)
+        del head_weight
+        model.lm_head = None  # an untied head's 16-bit weight goes before the int8 one is packed
+        model.quantized_lm_head = Int8Linear(codes, None)
+        self.hidden = None
+
+    def _run_and_measure(self, model: LlamaForCausalLM, layer: nn.Module) -> dict[str, torch.Tensor]:
+        """Per-input-channel max |x| of the layer's projections, as the layer runs in float."""
+        maxima: dict[str, torch.Tensor] = {}
+
+        def record(name: str):
+            def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+                maxima[name] = inputs[0].detach().abs().amax(dim=0).float()
+
+            return hook
+
+        hooks = [getattr(owner, attr).register_forward_pre_hook(record(attr)) for owner, attr in projections(layer)]
+        try:
+            with torch.inference_mode():
+                self.hidden = model.run_layer(layer, self.hidden, self.tables, self.calibration.attn)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return maxima
+
+
+def quantize_int8(model: LlamaForCausalLM, calibration: Calibration | None) -> None:
+    """A whole loaded float model to int8 (Int8Quantizer over every layer, then the head)."""
+    quantizer = Int8Quantizer(model, calibration)
+    for layer in model.layers:
+        quantizer.layer(model, layer)
+    quantizer.finish(model)
 
 
 def _int8(linear: nn.Linear, outliers: torch.Tensor | None) -> Int8Linear:
@@ -161,73 +287,36 @@ def _outlier_channels(maxima: torch.Tensor) -> torch.Tensor:
     return candidates.sort().values
 
 
-def _input_maxima(model: LlamaForCausalLM, calibrate: Callable[[], None]) -> dict[str, torch.Tensor]:
-    """Per-input-channel max |x| of every projection (and the head) over a calibration pass."""
-    maxima: dict[str, torch.Tensor] = {}
-    hooks = []
-
-    def record(name: str):
-        def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            m = inputs[0].detach().abs().amax(dim=0).float()
-            maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
-
-        return hook
-
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name.split(".")[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-            hooks.append(module.register_forward_pre_hook(record(name)))
-    hooks.append(
-        model.norm.register_forward_hook(
-            lambda _m, _i, out: maxima.__setitem__(
-                "head",
-                torch.maximum(maxima.get("head", torch.zeros(out.shape[-1])), out.detach().abs().amax(0).float()),
-            )
-        )
-    )
-    try:
-        calibrate()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return maxima
-
-
 def _factor(x_max: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SmoothQuant's s_j = max|X_j|^a / max|W_j|^(1-a) per input channel j."""
-    w_max = weight.abs().amax(dim=0).float()
+    low, high = weight.aminmax(dim=0)  # no |W| copy of a whole (LM head) weight
+    w_max = torch.maximum(low.abs(), high.abs()).float()
     return (x_max.clamp(min=1e-5).pow(SMOOTH_ALPHA) / w_max.clamp(min=1e-5).pow(1 - SMOOTH_ALPHA)).clamp(min=1e-5)
 
 
 @torch.no_grad()
-def _smooth(model: LlamaForCausalLM, maxima: dict[str, torch.Tensor], head_weight: torch.Tensor) -> torch.Tensor:
+def _smooth_layer(layer: nn.Module, maxima: dict[str, torch.Tensor], mc: ModelConfig) -> None:
     """Divide activations by s and multiply weights by s where a preceding op can absorb the division."""
-    mc = model.config
     group, d = mc.num_heads // mc.num_kv_heads, mc.head_dim
     v_start = (mc.num_heads + mc.num_kv_heads) * d
-    for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        prefix = f"layers.{i}"
-        s = _factor(maxima[f"{prefix}.self_attn.qkv_proj"], attn.qkv_proj.weight)
-        layer.input_layernorm.weight.div_(s)
-        attn.qkv_proj.weight.mul_(s)
-        s = _factor(maxima[f"{prefix}.mlp.gate_up_proj"], mlp.gate_up_proj.weight)
-        layer.mlp_input_norm.weight.div_(s)
-        mlp.gate_up_proj.weight.mul_(s)
-        s = _factor(maxima[f"{prefix}.mlp.down_proj"], mlp.down_proj.weight)  # absorbed by the up projection
-        mlp.gate_up_proj.weight[mc.intermediate_size :].div_(s[:, None])
-        if mlp.gate_up_proj.bias is not None:
-            mlp.gate_up_proj.bias[mc.intermediate_size :].div_(s)
-        mlp.down_proj.weight.mul_(s)
-        # o_proj's input channel (head h, dim j) is a mix of value channel (h // group, j): heads of
-        # one group share a factor, absorbed by the value projection.
-        x_max = maxima[f"{prefix}.self_attn.o_proj"].view(mc.num_kv_heads, group, d).amax(dim=1)
-        w_max = attn.o_proj.weight.abs().amax(dim=0).float().view(mc.num_kv_heads, group, d).amax(dim=1)
-        s = (x_max.clamp(min=1e-5).pow(SMOOTH_ALPHA) / w_max.clamp(min=1e-5).pow(1 - SMOOTH_ALPHA)).clamp(min=1e-5)
-        attn.qkv_proj.weight[v_start:].div_(s.reshape(-1, 1))
-        if attn.qkv_proj.bias is not None:
-            attn.qkv_proj.bias[v_start:].div_(s.reshape(-1))
-        attn.o_proj.weight.mul_(s[:, None, :].expand(mc.num_kv_heads, group, d).reshape(1, -1))
-    # The head reads the final norm's output; embeddings keep the unsmoothed (tied) weights.
-    s = _factor(maxima["head"], head_weight)
-    model.norm.weight.div_(s)
-    return head_weight * s
+    attn, mlp = layer.self_attn, layer.mlp
+    s = _factor(maxima["qkv_proj"], attn.qkv_proj.weight)
+    layer.input_layernorm.weight.div_(s)
+    attn.qkv_proj.weight.mul_(s)
+    s = _factor(maxima["gate_up_proj"], mlp.gate_up_proj.weight)
+    layer.mlp_input_norm.weight.div_(s)
+    mlp.gate_up_proj.weight.mul_(s)
+    s = _factor(maxima["down_proj"], mlp.down_proj.weight)  # absorbed by the up projection
+    mlp.gate_up_proj.weight[mc.intermediate_size :].div_(s[:, None])
+    if mlp.gate_up_proj.bias is not None:
+        mlp.gate_up_proj.bias[mc.intermediate_size :].div_(s)
+    mlp.down_proj.weight.mul_(s)
+    # o_proj's input channel (head h, dim j) is a mix of value channel (h // group, j): heads of
+    # one group share a factor, absorbed by the value projection.
+    x_max = maxima["o_proj"].view(mc.num_kv_heads, group, d).amax(dim=1)
+    w_max = attn.o_proj.weight.abs().amax(dim=0).float().view(mc.num_kv_heads, group, d).amax(dim=1)
+    s = (x_max.clamp(min=1e-5).pow(SMOOTH_ALPHA) / w_max.clamp(min=1e-5).pow(1 - SMOOTH_ALPHA)).clamp(min=1e-5)
+    attn.qkv_proj.weight[v_start:].div_(s.reshape(-1, 1))
+    if attn.qkv_proj.bias is not None:
+        attn.qkv_proj.bias[v_start:].div_(s.reshape(-1))
+    attn.o_proj.weight.mul_(s[:, None, :].expand(mc.num_kv_heads, group, d).reshape(1, -1))

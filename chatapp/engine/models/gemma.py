@@ -18,10 +18,8 @@ from torch import nn
 
 from chatapp.engine.attention import AttentionBackend
 from chatapp.engine.models.config import ModelConfig
-from chatapp.engine.models.llama import MLP, Attention, Device, LlamaForCausalLM, RMSNorm
+from chatapp.engine.models.llama import MLP, Attention, Device, LlamaForCausalLM, RMSNorm, Tables
 from chatapp.engine.models.rope import RotaryEmbedding
-
-Tables = tuple[torch.Tensor, torch.Tensor]
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -66,7 +64,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             self.local_rope = self.rope
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = super().embed(input_ids)
         # As Hugging Face: sqrt(hidden) rounded to the embedding's dtype, then one multiply.
         return x * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
 
@@ -74,15 +72,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         table = self.rope.lookup(positions)
         return table, table if self.local_rope is self.rope else self.local_rope.lookup(positions)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = self.embed(input_ids)
-        table, local_table = self.rope_tables(positions)
-        for layer in self.layers:
-            if layer.local:
-                x = layer(x, self.local_rope, local_table, attn)
-            else:
-                x = layer(x, self.rope, table, attn)
-        return self.norm(x)
+    def run_layer(self, layer: nn.Module, x: torch.Tensor, tables: tuple[Tables, Tables], attn: AttentionBackend):
+        if layer.local:
+            return layer(x, self.local_rope, tables[1], attn)
+        return layer(x, self.rope, tables[0], attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -18,6 +18,7 @@ from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.rope import RotaryEmbedding
 
 Device = torch.device | str | None
+Tables = tuple[torch.Tensor, torch.Tensor]  # a RoPE table's (cos, signed sin) for a step's positions
 
 
 class RMSNorm(nn.Module):
@@ -100,6 +101,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def projections(layer: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(owner, attribute) of a decoder layer's four projections, for the quantizers to swap."""
+    return [
+        (layer.self_attn, "qkv_proj"),
+        (layer.self_attn, "o_proj"),
+        (layer.mlp, "gate_up_proj"),
+        (layer.mlp, "down_proj"),
+    ]
+
+
 class LlamaForCausalLM(nn.Module):
     """Token ids and positions of a flattened batch in, final hidden states out.
 
@@ -134,18 +145,24 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        """The tokens' embeddings in the model's dtype (a quantized model keeps a 16-bit checkpoint's
+        embedding table as it is: the rows are exact in float32)."""
+        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
 
-    def rope_tables(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    def rope_tables(self, positions: torch.Tensor) -> tuple[Tables, Tables]:
         """(global, local) layers' (cos, signed_sin) for a step's positions; one set for this family."""
         table = self.rope.lookup(positions)
         return table, table
 
+    def run_layer(self, layer: nn.Module, x: torch.Tensor, tables: tuple[Tables, Tables], attn: AttentionBackend):
+        """One decoder layer with its RoPE (a family with local layers picks theirs)."""
+        return layer(x, self.rope, tables[0], attn)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
-        table = self.rope.lookup(positions)  # once per step, shared by every layer
+        tables = self.rope_tables(positions)  # once per step, shared by every layer
         for layer in self.layers:
-            x = layer(x, self.rope, table, attn)
+            x = self.run_layer(layer, x, tables, attn)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,19 @@
 """Build our model from a Hugging Face model directory's safetensors files.
 
 Checkpoint tensors are mapped onto our parameters by name; the separate q/k/v
-and gate/up projections land in slices of the fused weights.
+and gate/up projections land in slices of the fused weights. Loading goes one
+decoder layer at a time (see load_model), never the whole float model at once.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gemma import model_class
@@ -45,71 +48,157 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def _shard_sizes(mc: ModelConfig, fused: str) -> list[int]:
-    if fused.endswith("qkv_proj"):
+    """The row counts of a fused weight's shards (q, k, v or gate, up), by its parameter name."""
+    if "qkv_proj" in fused:
         return [mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim]
     return [mc.intermediate_size, mc.intermediate_size]
 
 
+class LayerSink(Protocol):
+    """Takes each decoder layer as soon as its weights are in (load_quantizer.LoadQuantizer)."""
+
+    def begin(self, model: LlamaForCausalLM) -> None: ...
+    def layer(self, model: LlamaForCausalLM, layer: nn.Module) -> None: ...
+    def finish(self, model: LlamaForCausalLM) -> None: ...
+
+
 def load_model(
-    model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: Path,
+    mc: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    sink: LayerSink | None = None,
 ) -> LlamaForCausalLM:
+    """Our model from the checkpoint, read tensor by tensor and materialised one group of modules at a
+    time (embeddings and final norm, each decoder layer, the LM head). A sink that quantizes each
+    layer as it arrives keeps the float model from ever being whole in memory."""
     model = model_class(mc)(mc, max_positions, device="meta")
-    model = model.to_empty(device=device).to(dtype)
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                _load_tensor(name, f.get_tensor(name), params, loaded, mc)
-    if mc.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise CheckpointError(
-            f"checkpoint in {model_dir} lacks weights: {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else "")
-        )
-    if mc.norm_weight_offset:  # Gemma stores w - 1: the forward multiplies by w (as HF's 1 + w, in float32)
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, RMSNorm):
-                    module.weight.copy_((module.weight.float() + mc.norm_weight_offset).to(module.weight.dtype))
     model.build_rope(dtype, device)
+    entries = _checkpoint_entries(model_dir, model)
+    fill = _Filler(model_dir, mc, dtype, device)
+    # Quantizing, the embedding table (and the LM head, quantized last) stay in a 16-bit
+    # checkpoint's dtype: a row is exact in float32 once looked up, and a 128k vocabulary's table
+    # is 2 GB in float32.
+    compact = sink is not None and device.type == "cpu"
+    fill([("embed_tokens.", model.embed_tokens)], entries.pop("embed_tokens", []), keep_16bit=compact)
+    fill([("norm.", model.norm)], entries.pop("norm", []))
+    if sink is not None:
+        sink.begin(model)
+    for i, layer in enumerate(model.layers):
+        fill([(f"layers.{i}.", layer)], entries.pop(f"layers.{i}", []))
+        if sink is not None:
+            sink.layer(model, layer)
+    if model.lm_head is not None:
+        fill([("lm_head.", model.lm_head)], entries.pop("lm_head", []), keep_16bit=compact)
+    if sink is not None:
+        sink.finish(model)
     model.eval()
     return model
 
 
-def _load_tensor(
-    name: str, tensor: torch.Tensor, params: dict[str, torch.nn.Parameter], loaded: set[str], mc: ModelConfig
-) -> None:
+_Entry = tuple[Path, str, str, int | None]  # (file, checkpoint name, our parameter, fused shard)
+
+
+def _checkpoint_entries(model_dir: Path, model: LlamaForCausalLM) -> dict[str, list[_Entry]]:
+    """Every checkpoint tensor we read, grouped by the module it fills ("embed_tokens", "norm",
+    "layers.N", "lm_head").
+
+    Unknown names are refused here, before a single weight is read.
+    """
+    ours = {name for name, _ in model.named_parameters()}
+    groups: dict[str, list[_Entry]] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+        for name in names:
+            target = _target(name, model.config)
+            if target is None:
+                continue
+            param, shard = target
+            if param not in ours:
+                raise CheckpointError(f"unexpected checkpoint tensor {name}")
+            group = ".".join(param.split(".")[:2]) if param.startswith("layers.") else param.split(".")[0]
+            groups.setdefault(group, []).append((path, name, param, shard))
+    return groups
+
+
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class _Filler:
+    """Materialises a group of modules and copies its checkpoint tensors in, every weight accounted for."""
+
+    def __init__(self, model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.model_dir, self.mc, self.dtype, self.device = model_dir, mc, dtype, device
+
+    @torch.no_grad()
+    def __call__(self, modules: list[tuple[str, nn.Module]], entries: list[_Entry], keep_16bit: bool = False) -> None:
+        """keep_16bit: a one-tensor module takes its checkpoint tensor's dtype where that is 16-bit."""
+        dtype = self.dtype
+        if keep_16bit and len(entries) == 1:
+            with safe_open(str(entries[0][0]), framework="pt") as f:
+                stored = _SAFETENSORS_DTYPES.get(f.get_slice(entries[0][1]).get_dtype())
+            dtype = stored or dtype
+        params: dict[str, nn.Parameter] = {}
+        for prefix, module in modules:
+            module.to(dtype=dtype).to_empty(device=self.device)
+            params.update({prefix + n: p for n, p in module.named_parameters()})
+        loaded: set[str] = set()
+        # Each file is opened for this group only: closing it unmaps the pages just read, so the
+        # resident set holds the checkpoint's bytes one group at a time, not the whole file.
+        for path in dict.fromkeys(entry[0] for entry in entries):
+            with safe_open(str(path), framework="pt") as f:
+                for _path, name, param, shard in (e for e in entries if e[0] == path):
+                    self._put(params[param], shard, f.get_tensor(name), name, param, loaded)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise CheckpointError(
+                f"checkpoint in {self.model_dir} lacks weights: {', '.join(missing[:6])}"
+                + (" ..." if len(missing) > 6 else "")
+            )
+        if self.mc.norm_weight_offset:  # Gemma stores w - 1: the forward multiplies by w (as HF's 1 + w, in float32)
+            for _prefix, module in modules:
+                for norm in module.modules():
+                    if isinstance(norm, RMSNorm):
+                        norm.weight.copy_((norm.weight.float() + self.mc.norm_weight_offset).to(norm.weight.dtype))
+
+    def _put(
+        self, dest: torch.Tensor, shard: int | None, src: torch.Tensor, name: str, param: str, loaded: set[str]
+    ) -> None:
+        if shard is None:
+            if src.dtype == dest.dtype and src.shape == dest.shape and dest.device == src.device:
+                dest.data = src  # already ours (a fresh copy out of the file): no second buffer
+            else:
+                _copy(dest.data, src, name)
+            loaded.add(param)
+            return
+        sizes = _shard_sizes(self.mc, param)
+        start = sum(sizes[:shard])
+        _copy(dest.data[start : start + sizes[shard]], src, name)
+        loaded.add(f"{param}#{shard}")
+        if all(f"{param}#{i}" in loaded for i in range(len(sizes))):
+            loaded.add(param)
+
+
+def _target(name: str, mc: ModelConfig) -> tuple[str, int | None] | None:
+    """Our parameter (and its shard of a fused weight) for a checkpoint tensor; None for one we skip."""
     if name.startswith(_OTHER_TOWERS):
-        return  # a multimodal checkpoint's vision weights: we run its text model
+        return None  # a multimodal checkpoint's vision weights: we run its text model
     for prefix in ("language_model.model.", "model.language_model.", "language_model.", "model."):
         if name.startswith(prefix):
             name = name[len(prefix) :]
             break
     if "rotary_emb" in name:
-        return
+        return None
     if name == "lm_head.weight" and mc.tie_word_embeddings:
-        return
+        return None
     for suffix, (fused, shard) in _FUSED.items():
         marker = f".{suffix}."
         if marker in name:
             prefix, kind = name.split(marker)
-            target = f"{prefix}.{fused}.{kind}"
-            if target not in params:
-                raise CheckpointError(f"unexpected checkpoint tensor {name}")
-            sizes = _shard_sizes(mc, fused)
-            start = sum(sizes[:shard])
-            dest = params[target].data[start : start + sizes[shard]]
-            _copy(dest, tensor, name)
-            loaded.add(f"{target}#{shard}")
-            if all(f"{target}#{i}" in loaded for i in range(len(sizes))):
-                loaded.add(target)
-            return
-    if name not in params:
-        raise CheckpointError(f"unexpected checkpoint tensor {name}")
-    _copy(params[name].data, tensor, name)
-    loaded.add(name)
+            return f"{prefix}.{fused}.{kind}", shard
+    return name, None
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
