@@ -11,9 +11,11 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from concurrent import futures
 
 from chatapp.engine.api import EngineBusyError, EngineStats, context_length_error  # noqa: F401  (re-exported)
 from chatapp.engine.config import EngineConfig
+from chatapp.engine.guided import GrammarWorker, GuidedDecodingError
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_ref import ModelRef, resolve_model_spec
 from chatapp.engine.model_runner import ModelRunner
@@ -50,6 +52,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self._pending: list[EngineCoreOutput] = []
+        self._grammars = GrammarWorker(self.model.path, mc.vocab_size, mc.eos_token_ids)
+        self._compiling: dict[str, tuple[Request, futures.Future]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # Where step time goes: the model's forward (and LM head) against the whole step.
@@ -91,10 +95,13 @@ class EngineCore:
             self.config.block_size,
             self.config.max_model_len,
         )
-        self.scheduler.add(req)
+        if params.guided is None:
+            self.scheduler.add(req)
+        else:  # its grammar compiles on a worker thread; step() admits it once compiled
+            self._compiling[request_id] = (req, self._grammars.submit(params.guided))
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self._compiling:
             return f"request id {request_id!r} is already running"
         if not prompt:
             return "the prompt is empty"
@@ -109,9 +116,12 @@ class EngineCore:
         """Stop requests now and free their blocks; each reports finish_reason "abort" at the next step."""
         for request_id in request_ids:
             req = self.scheduler.requests.get(request_id)
-            if req is None:
+            if req is not None:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            elif request_id in self._compiling:  # not scheduled yet: no blocks to free
+                req, _future = self._compiling.pop(request_id)
+            else:
                 continue
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self._pending.append(
                 EngineCoreOutput(
                     request_id,
@@ -123,15 +133,36 @@ class EngineCore:
             )
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.num_unfinished or self._pending)
+        return bool(self.scheduler.num_unfinished or self._pending or self._compiling)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler (in arrival order); a bad one fails."""
+        for request_id, (req, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                req.matcher = future.result()
+            except GuidedDecodingError as exc:
+                self._pending.append(
+                    EngineCoreOutput(
+                        request_id, [], FinishReason.ERROR, num_prompt_tokens=req.num_prompt_tokens, error=str(exc)
+                    )
+                )
+                continue
+            self.scheduler.add(req)
 
     # -- the loop -----------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
         step_start = time.perf_counter()
+        if self._compiling:
+            self._admit_compiled()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch:
+            if self._compiling:  # nothing to run until a grammar compiles: wait for one, briefly
+                futures.wait([f for _r, f in self._compiling.values()], 0.05, futures.FIRST_COMPLETED)
             return outputs
         result = self.runner.execute(batch, {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests})
         update = self.scheduler.update_from_output(

@@ -143,7 +143,10 @@ def engine_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     """The constructor arguments only: the engine rebuilds (and so re-validates) the params."""
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    if params.guided is not None:
+        wire["guided"] = params.guided.to_wire()
+    return wire
 
 
 def params_from_wire(data: dict[str, Any]) -> SamplingParams:

@@ -99,6 +99,9 @@ class LLM:
             params = [params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        for p in params:
+            if p.guided is not None:
+                p.guided.check()  # a bad schema, regex or grammar: GuidedDecodingError (a ValueError) now
         ids = []
         for (text, token_ids), p in zip(items, params):
             request_id = f"offline-{next(self._ids)}"

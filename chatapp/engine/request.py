@@ -11,6 +11,7 @@ import enum
 import hashlib
 import time
 from array import array
+from typing import Any
 
 import torch
 
@@ -73,6 +74,9 @@ class Request:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        # Guided decoding: the llguidance matcher (set once its grammar compiled, engine side only);
+        # the sampler masks this request's logits with it and each new token advances it.
+        self.matcher: Any = None
         self._block_size = block_size
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
@@ -94,6 +98,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.matcher is not None and not self.matcher.consume_token(token_id):
+            self.error = f"token {token_id} broke the output's grammar: {self.matcher.get_error()}"
         if len(self.all_token_ids) % self._block_size == 0:
             self._update_block_hashes()
 
@@ -109,6 +115,10 @@ class Request:
         """The finish status after sampling ``token_id``, or None to go on."""
         if token_id in self.eos_token_ids or token_id in self.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if self.error is not None:
+            return RequestStatus.FINISHED_ERROR
+        if self.matcher is not None and self.matcher.is_stopped():
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if self.num_output_tokens >= self.max_output_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,9 +1,10 @@
 """Turning a batch of logits into next tokens, each row with its own parameters.
 
 Everything is batched except what is per-request by nature: logit bias,
-penalties (they need the request's token history) and seeded noise (each
-seeded request draws from its own generator, so a seed repeats exactly
-whatever else shares the batch).
+penalties (they need the request's token history), grammar masks (guided
+decoding: each row's own matcher state) and seeded noise (each seeded request
+draws from its own generator, so a seed repeats exactly whatever else shares
+the batch).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._grammar_masks = GrammarMasks()
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token per row of ``logits`` [S, V] for ``requests`` (same order)."""
         logits = logits.float()
@@ -38,6 +42,9 @@ class Sampler:
                 logits[i, ids] += bias
             if params.uses_penalties:
                 _apply_penalties(logits[i], req)
+        guided = [(req.matcher, i) for i, req in enumerate(requests) if req.matcher is not None]
+        if guided:
+            self._grammar_masks.apply(logits, guided)
 
         greedy_tokens = logits.argmax(dim=-1)
         if all(r.params.greedy for r in requests):
@@ -81,6 +88,27 @@ class Sampler:
                     req.generator = torch.Generator(device=device).manual_seed(req.params.seed)
                 noise[i].exponential_(generator=req.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+class GrammarMasks:
+    """Guided rows' token masks, computed by llguidance on its own threads (one row per thread), then
+    applied to those rows only: free requests in the same batch are untouched."""
+
+    def __init__(self) -> None:
+        self._executor = None
+
+    def apply(self, logits: torch.Tensor, guided: list[tuple[object, int]]) -> None:
+        import llguidance
+        import llguidance.torch as llt
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        rows = torch.tensor([i for _m, i in guided], device=logits.device)
+        masks = llt.allocate_token_bitmask(len(guided), logits.shape[1])
+        llt.fill_next_token_bitmask_par(self._executor, [(m, j) for j, (m, _i) in enumerate(guided)], masks)
+        sub = logits.index_select(0, rows).cpu()
+        llt.apply_token_bitmask_inplace(sub, masks)
+        logits.index_copy_(0, rows, sub.to(logits.device))
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from chatapp.engine.guided import GuidedDecoding
 
 _MAX_LOGPROBS = 20
 _INT64_MAX = 2**63 - 1  # integers cross the IPC link as msgpack int64: larger ones cannot be sent
@@ -32,6 +35,8 @@ class SamplingParams:
     """None: no logprobs; 0: the chosen token's; N: also the top N."""
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    guided: GuidedDecoding | dict[str, Any] | None = None
+    """Hold the output to a grammar: GuidedDecoding(json_schema=...), or its fields as a dict."""
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +67,13 @@ class SamplingParams:
             raise bad("logprobs", f"must be between 0 and {_MAX_LOGPROBS}, got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             raise bad("seed", f"must be an integer that fits in 64 bits, got {self.seed!r}")
+        if isinstance(self.guided, dict):
+            try:
+                self.guided = GuidedDecoding(**self.guided)
+            except TypeError as exc:  # an unknown field
+                raise bad("guided", f"has an unknown field: {exc}") from None
+        elif self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise bad("guided", "must be a GuidedDecoding or a dict of its fields")
         if self.stop is None:
             self.stop_strings = ()
         elif isinstance(self.stop, str):

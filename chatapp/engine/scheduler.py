@@ -167,6 +167,7 @@ class Scheduler:
             if status is not None:
                 self.finish(req, status)
                 out.finish_reason = status.finish_reason
+                out.error = req.error if status is RequestStatus.FINISHED_ERROR else None
             outputs.append(out)
         return StepUpdate(outputs, num_prompt_tokens)
 

@@ -25,6 +25,7 @@ from chatapp.engine.outputs import FinishReason, TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.server.errors import APIError, ClientGone, EngineFailure, bad_request, sampling_error
 from chatapp.server.schemas import SamplingFields
+from chatapp.server.structured import guided_decoding
 
 T = TypeVar("T")
 
@@ -124,6 +125,7 @@ def sampling_params(
         logprobs=logprobs,
         logit_bias=parse_logit_bias(body.logit_bias, vocab_size),
         ignore_eos=bool(body.ignore_eos),
+        guided=guided_decoding(body),
     )
     try:
         return [SamplingParams(**common, seed=None if body.seed is None else body.seed + i) for i in range(n)]

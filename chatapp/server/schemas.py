@@ -114,6 +114,15 @@ class SamplingFields(_Body):
         default=None,
         description="keep generating past end-of-sequence (an extension vLLM and llama.cpp share; for benchmarks)",
     )
+    response_format: dict[str, Any] | None = Field(
+        default=None, description='{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}'
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        default=None, description="vLLM's: output follows this JSON Schema"
+    )
+    guided_regex: str | None = Field(default=None, description="vLLM's: output matches this regex")
+    guided_choice: list[str] | None = Field(default=None, description="vLLM's: output is one of these strings")
+    guided_grammar: str | None = Field(default=None, description="vLLM's: output follows this Lark grammar")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -126,7 +135,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
 

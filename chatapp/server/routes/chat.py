@@ -38,8 +38,6 @@ def _check_supported(body: ChatCompletionRequest) -> None:
         raise unsupported("functions", "function calling (functions)")
     if body.function_call not in (None, "none", "auto"):
         raise unsupported("function_call")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", f"response_format {body.response_format.get('type')!r}")
     if body.audio is not None or (body.modalities and set(body.modalities) - {"text"}):
         raise unsupported("modalities" if body.audio is None else "audio", "audio output")
     if body.top_logprobs is not None and not body.logprobs:
