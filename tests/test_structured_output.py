@@ -203,3 +203,25 @@ def test_a_bad_structure_is_a_400_naming_it(
         sdk.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=extra)
     assert info.value.param == param and message in info.value.message, info.value.message
     assert idle(served.stats())
+
+
+@pytest.mark.parametrize("blocked_share", [0.02, 0.98])
+def test_masking_touches_exactly_the_blocked_logits(blocked_share: float) -> None:
+    """Both ways of masking (the blocked entries, or all then the allowed restored) give masked_fill's
+    result, on whole and on strided rows."""
+    import numpy as np
+    import torch
+
+    from chatapp.engine.sampler import _mask_out
+
+    rng = np.random.default_rng(0)
+    blocked = rng.random((3, 1000)) < blocked_share
+    logits = torch.randn(3, 1000)
+    expected = logits.masked_fill(torch.from_numpy(blocked), float("-inf"))
+    whole = logits.clone()
+    _mask_out(whole, blocked)
+    assert torch.equal(whole, expected)
+    strided = torch.randn(1000, 3).T
+    expected = strided.masked_fill(torch.from_numpy(blocked), float("-inf"))
+    _mask_out(strided, blocked)
+    assert torch.equal(strided, expected)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from chatapp.engine.outputs import TokenLogprobs
@@ -103,12 +104,37 @@ class GrammarMasks:
 
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        rows = torch.tensor([i for _m, i in guided], device=logits.device)
-        masks = llt.allocate_token_bitmask(len(guided), logits.shape[1])
+        vocab = logits.shape[1]
+        masks = llt.allocate_token_bitmask(len(guided), vocab)
         llt.fill_next_token_bitmask_par(self._executor, [(m, j) for j, (m, _i) in enumerate(guided)], masks)
-        sub = logits.index_select(0, rows).cpu()
-        llt.apply_token_bitmask_inplace(sub, masks)
-        logits.index_copy_(0, rows, sub.to(logits.device))
+        # Bit t of a row's int32 words says token t is allowed: unpacked to one byte per token (numpy
+        # does it in microseconds; llguidance's torch path took ~1 ms a row here).
+        words = (~masks.numpy()).view(np.uint8)
+        blocked = np.unpackbits(words, axis=-1, bitorder="little")[:, :vocab].view(bool)
+        rows = [i for _m, i in guided]
+        whole = rows == list(range(logits.shape[0]))
+        sub = logits if whole else logits.index_select(0, torch.tensor(rows, device=logits.device))
+        _mask_out(sub, blocked)
+        if not whole:
+            logits.index_copy_(0, torch.tensor(rows, device=logits.device), sub)
+
+
+def _mask_out(logits: torch.Tensor, blocked: np.ndarray) -> None:
+    """logits[blocked] = -inf, touching only the fewer of the blocked and the allowed entries (a
+    masked fill over 16 x 49k logits took ~1.6 ms here; in a JSON string nearly every token is
+    allowed, between fields nearly none)."""
+    if not logits.is_contiguous():
+        logits.masked_fill_(torch.from_numpy(blocked).to(logits.device), float("-inf"))
+        return
+    flat = logits.view(-1)
+    blocked_at = np.flatnonzero(blocked)
+    if len(blocked_at) <= blocked.size // 2:
+        flat[torch.from_numpy(blocked_at).to(logits.device)] = float("-inf")
+        return
+    allowed_at = torch.from_numpy(np.flatnonzero(~blocked)).to(logits.device)
+    keep = flat[allowed_at]
+    flat.fill_(float("-inf"))
+    flat[allowed_at] = keep
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
