@@ -182,6 +182,15 @@ BAD_INPUT = [
     ),
     ("top_p 2", "/v1/chat/completions", _json({"messages": USER, "top_p": 2}), {}, 400, "top_p", ["(0, 1]"]),
     (
+        "stream_options without stream",
+        "/v1/completions",
+        _json({"prompt": "Hi", "stream_options": {"include_usage": True}}),
+        {},
+        400,
+        "stream_options",
+        ["only allowed when stream is true"],
+    ),
+    (
         "max_tokens 0",
         "/v1/chat/completions",
         _json({"messages": USER, "max_tokens": 0}),

@@ -81,6 +81,13 @@ def check_n(n: int | None) -> int:
     return n
 
 
+def check_stream_options(body: SamplingFields) -> None:
+    """As OpenAI: stream_options belongs to streamed requests only (a client that sends it without
+    stream: true expects a stream it would not get)."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
 def parse_logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     """JSON object keys are strings: {"1234": -100} -> {1234: -100.0}."""
     if not raw:

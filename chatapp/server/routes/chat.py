@@ -71,6 +71,7 @@ async def chat_completions(
     model = state.served_model(body.model)
     info = client.model_info
     _check_supported(body)
+    gen.check_stream_options(body)
     n = gen.check_n(body.n)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top_n = (body.top_logprobs or 0) if body.logprobs else 0

@@ -40,6 +40,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         raise unsupported("echo")
     if body.suffix:
         raise unsupported("suffix")
+    gen.check_stream_options(body)
     n = gen.check_n(body.n)
     if body.best_of is not None and body.best_of != n:
         raise unsupported("best_of", "best_of other than n")
