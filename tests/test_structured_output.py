@@ -110,6 +110,46 @@ def test_a_grammar_that_fails_to_compile_in_the_engine_fails_that_request_only(l
     assert finished["good"].finish_reason == "length"
 
 
+def test_a_compile_that_breaks_unexpectedly_fails_its_request_only(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    core = llm.core
+
+    def broken(spec: GuidedDecoding):
+        raise RuntimeError("llguidance cannot read this tokenizer")
+
+    monkeypatch.setattr(core._grammars, "_compile", broken)
+    core.add_request("broken", llm.tokenizer.encode("Hi"), SamplingParams(guided={"regex": "a+"}))
+    core.add_request("free", llm.tokenizer.encode("Hi"), SamplingParams(max_tokens=2, ignore_eos=True))
+    finished = {}
+    while core.has_work():
+        for out in core.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["broken"].finish_reason == "error"
+    assert "unavailable for this model: llguidance cannot read this tokenizer" in finished["broken"].error
+    assert finished["free"].finish_reason == "length"
+
+
+def test_a_request_aborted_while_its_grammar_compiles_ends_at_once(llm: LLM) -> None:
+    core = llm.core
+    core.add_request("soon-gone", llm.tokenizer.encode("Hi"), SamplingParams(guided={"choice": ["a", "b"]}))
+    core.abort(["soon-gone"])
+    outputs = core.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("soon-gone", "abort")]
+    assert not core.has_work()
+
+
+def test_a_schema_crosses_the_process_boundary_whole() -> None:
+    """Sent as JSON text: msgpack alone cannot carry an integer past 64 bits, which a schema may hold."""
+    import msgspec
+
+    from chatapp.engine.ipc import params_from_wire, params_to_wire
+
+    schema = {"type": "integer", "maximum": 10**30}
+    params = SamplingParams(guided={"json_schema": schema})
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(params_to_wire(params)))
+    assert params_from_wire(wire).guided == GuidedDecoding(json_schema=schema)
+
+
 # -- the OpenAI port ------------------------------------------------------------------------------
 
 

@@ -119,7 +119,8 @@ class EngineCore:
             if req is not None:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             elif request_id in self._compiling:  # not scheduled yet: no blocks to free
-                req, _future = self._compiling.pop(request_id)
+                req, future = self._compiling.pop(request_id)
+                future.cancel()  # if it has not started: the worker skips it
             else:
                 continue
             self._pending.append(
@@ -143,7 +144,10 @@ class EngineCore:
             del self._compiling[request_id]
             try:
                 req.matcher = future.result()
-            except GuidedDecodingError as exc:
+            except Exception as exc:  # noqa: BLE001  a bad spec, or llguidance failing on this model
+                if not isinstance(exc, GuidedDecodingError):
+                    log.exception("guided decoding failed to start for %s", request_id)
+                    exc = GuidedDecodingError(f"guided decoding is unavailable for this model: {exc}")
                 self._pending.append(
                     EngineCoreOutput(
                         request_id, [], FinishReason.ERROR, num_prompt_tokens=req.num_prompt_tokens, error=str(exc)
@@ -162,7 +166,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch:
             if self._compiling:  # nothing to run until a grammar compiles: wait for one, briefly
-                futures.wait([f for _r, f in self._compiling.values()], 0.05, futures.FIRST_COMPLETED)
+                futures.wait([f for _r, f in self._compiling.values()], 0.005, futures.FIRST_COMPLETED)
             return outputs
         result = self.runner.execute(batch, {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests})
         update = self.scheduler.update_from_output(

@@ -65,12 +65,16 @@ class GuidedDecoding:
                 raise ValueError(f"{name} must be a non-empty string")
 
     def to_wire(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in _KINDS if getattr(self, k) not in (None, False)}
+        """The spec for IPC; a schema as JSON text (msgpack cannot carry integers past 64 bits)."""
+        wire = {k: getattr(self, k) for k in _KINDS if getattr(self, k) not in (None, False)}
+        if self.json_schema is not None:
+            wire["json_schema"] = json.dumps(self.json_schema)
+        return wire
 
     @property
     def key(self) -> str:
         """One string per distinct spec, for the compiled-grammar cache."""
-        return json.dumps(self.to_wire(), sort_keys=True)
+        return json.dumps({k: getattr(self, k) for k in _KINDS}, sort_keys=True)
 
     def llguidance_grammar(self) -> str:
         """The spec in llguidance's grammar format (no tokenizer needed)."""

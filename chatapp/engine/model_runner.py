@@ -121,7 +121,8 @@ class ModelRunner:
 
             return native_weight_bytes(source.gguf, self.mc)
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        if self._quantization_mode() is None:
+        if self._quantization_mode() is None or source.gguf is not None:
+            # A GGUF file off our kernels is de-quantised whole before any quantizing: floats at the peak.
             return self.mc.num_parameters() * elem
         # Quantized as loaded: projections at most 1 byte a weight (int8; int4 is less), the
         # embeddings in float, plus the one float layer in hand at a time.

@@ -168,7 +168,9 @@ class _Filler:
     ) -> None:
         if shard is None:
             if src.dtype == dest.dtype and src.shape == dest.shape and dest.device == src.device:
-                dest.data = src  # already ours (a fresh copy out of the file): no second buffer
+                # safetensors hands out a view of its map of the file: copied, so that the weights
+                # never depend on a file that may be replaced (or the map be kept open) while serving.
+                dest.data = src.clone()
             else:
                 _copy(dest.data, src, name)
             loaded.add(param)
