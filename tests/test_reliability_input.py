@@ -80,13 +80,24 @@ BAD_INPUT = [
         ["wizard", "user"],
     ),
     (
-        "tool role",
+        "tool result without its call id",
         "/v1/chat/completions",
         _json({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]}),
         {},
         400,
+        "messages[1].tool_call_id",
+        ["tool_call_id is required"],
+    ),
+    (
+        "tool result with no call before it",
+        "/v1/chat/completions",
+        _json(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]}
+        ),
+        {},
+        400,
         "messages[1].role",
-        ["tool"],
+        ["must answer an earlier assistant message's tool_calls"],
     ),
     (
         "role not a string",

@@ -332,7 +332,7 @@ def test_embeddings_float_and_base64(served: ServedEngine, sdk: OpenAI, model: s
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"logit_bias": {"not-a-token": 1}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces allowed"}}]}, "tools[0].function.name"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"temperature": "hot"}, "temperature"),  # a pydantic error: 400, not FastAPI's 422
         ({"seed": 2**70}, "seed"),
@@ -363,7 +363,7 @@ def test_unsupported_content_parts_name_the_part(sdk: OpenAI, model: str) -> Non
     assert info.value.param == "messages[0].content[1]" and "image" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         sdk.chat.completions.create(model=model, messages=[{"role": "tool", "content": "x"}], max_tokens=2)
-    assert info.value.param == "messages[0].role"
+    assert info.value.param == "messages[0].tool_call_id"
 
 
 def test_missing_field_and_bad_json_are_400(served: ServedEngine) -> None:

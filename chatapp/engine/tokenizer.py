@@ -20,7 +20,7 @@ from typing import Any
 
 from chatapp.engine.model_ref import is_gguf_path
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 _REMEMBERED = 4096
 
 
@@ -28,8 +28,11 @@ class ChatFormatError(ValueError):
     """A conversation that cannot be rendered (bad role, bad content, no template)."""
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Check OpenAI-style messages and flatten text parts; raise ChatFormatError clearly."""
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Check OpenAI-style messages and flatten text parts; raise ChatFormatError clearly.
+
+    An assistant turn's ``tool_calls`` and a tool result's ``tool_call_id``/``name`` are kept, the
+    calls' arguments as objects (what chat templates expect; OpenAI sends JSON text)."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list")
     out = []
@@ -50,9 +53,48 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
             content = "".join(texts)
         if content is None and role == "assistant":
             content = ""
+        if content is None and role == "tool":
+            content = ""
         if not isinstance(content, str):
             raise ChatFormatError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        normal: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and message.get("tool_calls"):
+            normal["tool_calls"] = _template_tool_calls(message["tool_calls"], i)
+        if role == "tool":  # OpenAI's rules: a result names its call, after a turn that made calls
+            if not isinstance(message.get("tool_call_id"), str):
+                raise ChatFormatError(f"messages[{i}].tool_call_id is required in a tool message (the call it answers)")
+            if not any(m["role"] == "assistant" and m.get("tool_calls") for m in out):
+                raise ChatFormatError(
+                    f"messages[{i}].role 'tool' must answer an earlier assistant message's tool_calls"
+                )
+            normal["tool_call_id"] = message["tool_call_id"]
+            if isinstance(message.get("name"), str):
+                normal["name"] = message["name"]
+        out.append(normal)
+    return out
+
+
+def _template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise ChatFormatError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ChatFormatError(f"messages[{i}].tool_calls[{j}] must hold a function with a name")
+        arguments = fn.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise ChatFormatError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
+        out.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": arguments},
+            }
+        )
     return out
 
 
@@ -225,13 +267,21 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation, reusing the exact ids of answers we generated."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation, reusing the exact ids of answers we generated.
+
+        tools: OpenAI tool definitions, for a template that renders them (see engine/tools.py).
+        """
         messages = normalize_messages(messages)
         if not self.hf.chat_template:
             raise ChatFormatError("this model has no chat template; use a plain completion prompt")
         try:
-            text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except Exception as exc:  # templates raise their own errors (e.g. "roles must alternate")
             raise ChatFormatError(f"the model's chat template rejected the conversation: {exc}") from exc
         ids: list[int] = []

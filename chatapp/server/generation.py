@@ -20,6 +20,7 @@ import anyio
 from fastapi import Request
 
 from chatapp.engine.api import EngineClient, context_length_error
+from chatapp.engine.guided import GuidedDecoding
 from chatapp.engine.output_processor import OutputDelta
 from chatapp.engine.outputs import FinishReason, TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams
@@ -45,10 +46,12 @@ async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
-async def render_chat(client: EngineClient, messages: list[dict[str, Any]]) -> list[int]:
+async def render_chat(
+    client: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Token ids of a conversation (raises ChatFormatError for a bad one)."""
     size = sum(len(str(m.get("content") or "")) for m in messages)
-    return await _maybe_in_thread(size, client.tokenizer.render_chat, messages)
+    return await _maybe_in_thread(size, client.tokenizer.render_chat, messages, True, tools)
 
 
 async def encode(client: EngineClient, text: str) -> list[int]:
@@ -79,6 +82,12 @@ def check_n(n: int | None) -> int:
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be between 1 and {MAX_N}, got {n}", "n")
     return n
+
+
+def _one_grammar(tools: GuidedDecoding | None, asked: GuidedDecoding | None) -> GuidedDecoding | None:
+    if tools is not None and asked is not None:
+        raise bad_request("response_format cannot be combined with tool calls that need a grammar", "response_format")
+    return tools if tools is not None else asked
 
 
 def check_stream_options(body: SamplingFields) -> None:
@@ -112,8 +121,13 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     renames: dict[str, str] | None = None,
+    guided: GuidedDecoding | None = None,
+    skip_special_tokens: bool = True,
 ) -> list[SamplingParams]:
-    """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ."""
+    """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ.
+
+    guided: a grammar the caller sets (tool calls); the request's own (response_format) may not be
+    given beside it."""
     if body.seed is not None and not -(2**63) <= body.seed <= 2**63 - n:  # the engine's generators take int64
         raise bad_request(f"seed must fit in a signed 64-bit integer, got {body.seed}", "seed")
     stop = body.stop
@@ -132,7 +146,8 @@ def sampling_params(
         logprobs=logprobs,
         logit_bias=parse_logit_bias(body.logit_bias, vocab_size),
         ignore_eos=bool(body.ignore_eos),
-        guided=guided_decoding(body),
+        guided=_one_grammar(guided, guided_decoding(body)),
+        skip_special_tokens=skip_special_tokens,
     )
     try:
         return [SamplingParams(**common, seed=None if body.seed is None else body.seed + i) for i in range(n)]

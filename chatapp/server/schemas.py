@@ -87,6 +87,8 @@ class ChatMessage(_Request):
     # Parts stay plain dicts so unsupported kinds (images, audio) can be refused with their index.
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
 
 class SamplingFields(_Body):
@@ -130,9 +132,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, description="preferred over max_tokens when both are given")
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # Known but unsupported: refused with a 400 naming the field when set.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Known but unsupported: refused with a 400 naming the field when set.
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -179,9 +182,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

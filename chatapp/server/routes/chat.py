@@ -16,6 +16,7 @@ from chatapp.server.logprobs import chat_logprobs
 from chatapp.server.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse
 from chatapp.server.sse import event_stream
 from chatapp.server.state import ServerState, get_state
+from chatapp.server.tool_calls import ToolPlan, plan_tools
 
 router = APIRouter()
 
@@ -30,10 +31,6 @@ _UNSUPPORTED_PARTS = {
 
 def _check_supported(body: ChatCompletionRequest) -> None:
     """Refuse features we cannot honour by name, instead of answering as if they were not asked for."""
-    if body.tools:
-        raise unsupported("tools", "tool calling (tools)")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise unsupported("tool_choice")
     if body.functions:
         raise unsupported("functions", "function calling (functions)")
     if body.function_call not in (None, "none", "auto"):
@@ -75,8 +72,11 @@ async def chat_completions(
     n = gen.check_n(body.n)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top_n = (body.top_logprobs or 0) if body.logprobs else 0
+    plan = plan_tools(body, client.tokenizer.hf.chat_template)
     params = gen.sampling_params(
         body,
+        guided=plan.guided() if plan else None,
+        skip_special_tokens=plan.fmt.skip_special_tokens if plan else True,
         n=n,
         vocab_size=info.vocab_size,
         max_tokens=max_tokens,
@@ -87,8 +87,11 @@ async def chat_completions(
         },
     )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    template_tools = None
+    if plan is not None:
+        messages, template_tools = plan.prompt(messages)
     try:
-        prompt = await gen.render_chat(client, messages)
+        prompt = await gen.render_chat(client, messages, template_tools)
     except Exception as exc:  # noqa: BLE001  ChatFormatError and friends -> 400
         raise state.error(exc, "messages") from None
     gen.check_context(prompt, info.max_model_len, max_tokens, "messages")
@@ -106,14 +109,14 @@ async def chat_completions(
             logprobs = (
                 {"content": chat_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n)} if body.logprobs else None
             )
-            choices.append(
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": logprobs,
-                    "finish_reason": r.finish_reason,
-                }
-            )
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = r.finish_reason
+            if plan is not None:
+                content, calls = plan.parse(r.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         completion = sum(r.num_output_tokens for r in results)
         return ChatCompletion(
             id=request_id, created=created, model=model, choices=choices, usage=gen.usage(len(prompt), completion)
@@ -135,6 +138,7 @@ async def chat_completions(
         prompt_tokens=len(prompt),
         top_n=top_n if body.logprobs else None,
         include_usage=include_usage,
+        plan=plan,
     )
     return event_stream(chunks, lambda exc: state.error(exc, "messages"))
 
@@ -151,8 +155,12 @@ async def _chunks(
     prompt_tokens: int,
     top_n: int | None,
     include_usage: bool,
+    plan: ToolPlan | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """chat.completion.chunk events: a role chunk per choice, content chunks, one finish chunk per choice."""
+    """chat.completion.chunk events: a role chunk per choice, content chunks, one finish chunk per choice.
+
+    With tools, content streams up to where a call could begin; the calls come whole, one
+    ``tool_calls`` delta each, before the finish chunk ("tool_calls")."""
     base: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
@@ -162,6 +170,7 @@ async def _chunks(
         return event
 
     completion_tokens = 0
+    splitters = [plan.splitter() for _ in range(n)] if plan is not None else None
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -171,12 +180,21 @@ async def _chunks(
             logprobs = None
             if top_n is not None and delta.logprobs:
                 logprobs = {"content": chat_logprobs(client.tokenizer, delta.token_ids, delta.logprobs, top_n)}
-            if delta.text or logprobs:
-                yield chunk(index, {"content": delta.text}, logprobs)
+            text = delta.text if splitters is None else splitters[index].feed(delta.text)
+            if text or logprobs:
+                yield chunk(index, {"content": text}, logprobs)
             if delta.finished:
                 gen.check_finish(delta)
                 completion_tokens += delta.num_output_tokens
-                yield chunk(index, {}, None, delta.finish_reason)
+                finish = delta.finish_reason
+                if splitters is not None:
+                    rest, calls = splitters[index].finish()
+                    if rest:
+                        yield chunk(index, {"content": rest})
+                    for k, call in enumerate(calls):
+                        yield chunk(index, {"tool_calls": [{"index": k, **call.to_openai()}]})
+                    finish = "tool_calls" if calls and finish == "stop" else finish
+                yield chunk(index, {}, None, finish)
             item = await streams.next()
         if include_usage:
             yield {**base, "choices": [], "usage": gen.usage(prompt_tokens, completion_tokens)}

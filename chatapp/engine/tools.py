@@ -1,0 +1,307 @@
+"""Tool calling: how a model writes tool calls, the grammar that holds it to them, and the parser
+that reads them back (used by the OpenAI port; the engine itself only sees a guided grammar).
+
+Each chat template family has its own format, told apart by what the template writes:
+- Hermes (Qwen2.5/Qwen3, Hermes, and our fallback): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  one block per call;
+- Llama 3.x: the whole answer is ``{"name": ..., "parameters": {...}}`` (several joined by ";"),
+  optionally after ``<|python_tag|>``;
+- Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+
+A template that cannot render tools (the bundled SmolLM2's) gets the Hermes format through a system
+prompt (``fallback_system_prompt``), and with ``tool_choice="auto"`` a grammar that allows either a
+plain answer or tool calls, so that even a small model produces calls that parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+    fn = tool["function"]
+    parameters = fn.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, arguments_key: parameters},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def _calls_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
+    schemas = [_call_schema(t, arguments_key) for t in tools]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def _lark_json(schema: dict[str, Any]) -> str:
+    """A JSON Schema as a Lark rule, laid out on one line as json.dumps writes it (free whitespace
+    would let the JSON swallow the newline the format puts after it)."""
+    layout = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return "%json " + json.dumps({**schema, "x-guidance": layout}, separators=(",", ":"))
+
+
+class ToolFormat:
+    """One family's way of writing tool calls."""
+
+    name = ""
+    marker = ""  # what opens the calls in an answer (text before it is the answer's content)
+    skip_special_tokens = True  # False where the marker is a special token (it must reach the parser)
+
+    def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) for the answer: tool calls only (required, or a named
+        tool: ``tools`` is then that one), or either a plain answer or tool calls."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(content, calls) of a whole answer; no calls when the answer holds none that parse."""
+        raise NotImplementedError
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    marker = "<tool_call>"
+    _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
+        calls = "call+" if parallel else "call"
+        start = f"start: {calls}" if required else f"start: TEXT | {calls}"
+        return "\n".join(
+            [
+                start,
+                r"TEXT: /[^<\s][\s\S]*/",  # a plain answer: anything that does not open with a call
+                r'call: "<tool_call>\n" args "\n</tool_call>" "\n"?',
+                "args: " + _lark_json(_calls_schema(tools, "arguments")),
+            ]
+        )
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        calls = []
+        for body in self._block.findall(text[at:]) or [text[at + len(self.marker) :]]:
+            call = _call_from_json(body, "arguments")
+            if call is None:
+                return text, []  # not calls after all: the answer stays as written
+            calls.append(call)
+        return text[:at].strip(), calls
+
+
+class Llama3JsonFormat(ToolFormat):
+    name = "llama3_json"
+    marker = "<|python_tag|>"
+
+    def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
+        calls = 'call ("; " call)*' if parallel else "call"
+        start = f"start: {calls}" if required else f"start: TEXT | {calls}"
+        return "\n".join([start, r"TEXT: /[^{\s][\s\S]*/", "call: " + _lark_json(_calls_schema(tools, "parameters"))])
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip().removeprefix(self.marker).strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_json_objects(body):
+            call = _call_from_json(part, "parameters") or _call_from_json(part, "arguments")
+            if call is None:
+                return text, []
+            calls.append(call)
+        return "", calls
+
+
+class MistralFormat(ToolFormat):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    skip_special_tokens = False
+
+    def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
+        items = {"type": "array", "items": _calls_schema(tools, "arguments"), "minItems": 1}
+        if not parallel:
+            items["maxItems"] = 1
+        start = "start: calls" if required else "start: TEXT | calls"
+        return "\n".join(
+            [start, r"TEXT: /[^\[\s][\s\S]*/", 'calls: "[TOOL_CALLS]" array', "array: " + _lark_json(items)]
+        )
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        at = text.find(self.marker)
+        if at < 0:
+            return text, []
+        try:
+            items = json.loads(text[at + len(self.marker) :].strip())
+        except json.JSONDecodeError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        calls = [_call_from_obj(item, "arguments") for item in items]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return text[:at].strip(), calls
+
+
+def _split_json_objects(text: str) -> list[str]:
+    """'{...}; {...}' -> ['{...}', '{...}'] (Llama 3's way of writing several calls)."""
+    decoder = json.JSONDecoder()
+    parts, at = [], 0
+    while at < len(text):
+        try:
+            _obj, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return [text]
+        parts.append(text[at:end])
+        at = end
+        while at < len(text) and text[at] in " ;\n\t":
+            at += 1
+    return parts
+
+
+def _call_from_json(text: str, arguments_key: str) -> ToolCall | None:
+    try:
+        return _call_from_obj(json.loads(text), arguments_key)
+    except json.JSONDecodeError:
+        return None
+
+
+def _call_from_obj(obj: Any, arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, {})
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())
+
+
+HERMES, LLAMA3_JSON, MISTRAL = HermesFormat(), Llama3JsonFormat(), MistralFormat()
+
+
+def tool_format(chat_template: str | None) -> tuple[ToolFormat, bool]:
+    """The format a model writes calls in, and whether its template renders tool definitions itself."""
+    template = chat_template or ""
+    renders_tools = "tools" in template
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL, renders_tools
+    if "<tool_call>" in template:
+        return HERMES, renders_tools
+    if renders_tools and ("<|python_tag|>" in template or "ipython" in template):
+        return LLAMA3_JSON, True
+    return HERMES, renders_tools
+
+
+def fallback_system_prompt(tools: list[dict[str, Any]]) -> str:
+    """How a model whose template knows no tools is told about them (Hermes' words, our format)."""
+    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return (
+        "You may call one or more functions to answer the user. The functions are listed in <tools></tools>:\n"
+        f"<tools>\n{listed}\n</tools>\n"
+        "To call a function, answer with only a JSON object holding its name and arguments in "
+        "<tool_call></tool_call> tags, one block per call:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n'
+        "Otherwise answer the user normally."
+    )
+
+
+def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation with tools for a template that knows none: the tools described in the system
+    prompt, earlier calls written out in our (Hermes) format, tool results as user turns."""
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls"):
+            blocks = []
+            for call in message["tool_calls"]:
+                fn = call.get("function", {})
+                arguments = fn.get("arguments") or "{}"
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass  # normalize_messages names the bad one
+                body = json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)
+                blocks.append(f"<tool_call>\n{body}\n</tool_call>")
+            text = message.get("content") or ""
+            out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + blocks)})
+        elif role == "tool":
+            content = message.get("content") or ""
+            if isinstance(content, list):
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append(message)
+    prompt = fallback_system_prompt(tools)
+    if out and out[0].get("role") in ("system", "developer") and isinstance(out[0].get("content"), str):
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+class CallSplitter:
+    """Streams an answer's content while holding back what may be tool calls: text is released up to
+    where the format's marker could begin; from the marker on, everything waits for ``finish``."""
+
+    def __init__(self, fmt: ToolFormat, *, calls_only: bool) -> None:
+        self.fmt = fmt
+        self.calls_only = calls_only  # required / named: the whole answer is calls
+        self._held = ""
+        self._released = 0
+        self._in_calls = calls_only
+
+    def feed(self, text: str) -> str:
+        """New text in; the content that can be shown now out."""
+        self._held += text
+        if self._in_calls:
+            return ""
+        if isinstance(self.fmt, Llama3JsonFormat) and self._released == 0:
+            stripped = self._held.lstrip()
+            if not stripped:
+                return ""
+            if stripped.startswith(("{", "<|")):  # Llama 3 writes calls as the whole answer
+                self._in_calls = True
+                return ""
+        marker = self.fmt.marker
+        at = self._held.find(marker, self._released)
+        if at >= 0:
+            out, self._released, self._in_calls = self._held[self._released : at], at, True
+            return out
+        keep = _marker_prefix_len(self._held, marker)
+        end = len(self._held) - keep
+        out, self._released = self._held[self._released : end], max(self._released, end)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(the content not yet shown, the calls) once the answer is complete."""
+        content, calls = self.fmt.parse(self._held)
+        if not calls:
+            return self._held[self._released :], []
+        return ("" if self._released else content), calls  # text before the marker went out already
+
+
+def _marker_prefix_len(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` could be the start of ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
