@@ -196,6 +196,7 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # a reasoning model's think block (vLLM's and DeepSeek's field)
     tool_calls: list[ToolCallOut] | None = None
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatapp.engine.guided import GuidedDecoding, GuidedDecodingError
-from chatapp.engine.tools import CallSplitter, ToolCall, ToolFormat, fallback_messages, tool_format
+from chatapp.engine.tools import CallSplitter, ToolFormat, fallback_messages, tool_format
 from chatapp.server.errors import bad_request
 from chatapp.server.schemas import ChatCompletionRequest
 
@@ -46,10 +46,6 @@ class ToolPlan:
 
     def splitter(self) -> CallSplitter:
         return CallSplitter(self.fmt, calls_only=self.required)
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        content, calls = self.fmt.parse(text)
-        return (content or None) if calls else text, calls
 
 
 def plan_tools(body: ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:

@@ -11,12 +11,13 @@ from fastapi import APIRouter, Depends, Request
 
 from chatapp.engine.api import EngineClient
 from chatapp.server import generation as gen
+from chatapp.server.answers import AnswerShape
 from chatapp.server.errors import bad_request, unsupported
 from chatapp.server.logprobs import chat_logprobs
 from chatapp.server.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse
 from chatapp.server.sse import event_stream
 from chatapp.server.state import ServerState, get_state
-from chatapp.server.tool_calls import ToolPlan, plan_tools
+from chatapp.server.tool_calls import plan_tools
 
 router = APIRouter()
 
@@ -95,6 +96,7 @@ async def chat_completions(
     except Exception as exc:  # noqa: BLE001  ChatFormatError and friends -> 400
         raise state.error(exc, "messages") from None
     gen.check_context(prompt, info.max_model_len, max_tokens, "messages")
+    shape = AnswerShape.of(client.tokenizer, prompt, plan)
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -109,13 +111,8 @@ async def chat_completions(
             logprobs = (
                 {"content": chat_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n)} if body.logprobs else None
             )
-            message: dict[str, Any] = {"role": "assistant", "content": r.text}
-            finish = r.finish_reason
-            if plan is not None:
-                content, calls = plan.parse(r.text)
-                if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
-                    finish = "tool_calls" if finish == "stop" else finish
+            message, called = shape.message(r.text)
+            finish = "tool_calls" if called and r.finish_reason == "stop" else r.finish_reason
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         completion = sum(r.num_output_tokens for r in results)
         return ChatCompletion(
@@ -138,7 +135,7 @@ async def chat_completions(
         prompt_tokens=len(prompt),
         top_n=top_n if body.logprobs else None,
         include_usage=include_usage,
-        plan=plan,
+        shape=shape,
     )
     return event_stream(chunks, lambda exc: state.error(exc, "messages"))
 
@@ -155,12 +152,13 @@ async def _chunks(
     prompt_tokens: int,
     top_n: int | None,
     include_usage: bool,
-    plan: ToolPlan | None = None,
+    shape: AnswerShape,
 ) -> AsyncIterator[dict[str, Any]]:
     """chat.completion.chunk events: a role chunk per choice, content chunks, one finish chunk per choice.
 
-    With tools, content streams up to where a call could begin; the calls come whole, one
-    ``tool_calls`` delta each, before the finish chunk ("tool_calls")."""
+    A reasoning model's think block streams as ``reasoning_content``. With tools, content streams
+    up to where a call could begin; the calls come whole, one ``tool_calls`` delta each, before
+    the finish chunk ("tool_calls")."""
     base: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
@@ -170,7 +168,7 @@ async def _chunks(
         return event
 
     completion_tokens = 0
-    splitters = [plan.splitter() for _ in range(n)] if plan is not None else None
+    splitters = [shape.splitter() for _ in range(n)]
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -180,20 +178,18 @@ async def _chunks(
             logprobs = None
             if top_n is not None and delta.logprobs:
                 logprobs = {"content": chat_logprobs(client.tokenizer, delta.token_ids, delta.logprobs, top_n)}
-            text = delta.text if splitters is None else splitters[index].feed(delta.text)
-            if text or logprobs:
-                yield chunk(index, {"content": text}, logprobs)
+            fields = splitters[index].feed(delta.text)
+            if fields or logprobs:
+                yield chunk(index, fields or {"content": ""}, logprobs)
             if delta.finished:
                 gen.check_finish(delta)
                 completion_tokens += delta.num_output_tokens
-                finish = delta.finish_reason
-                if splitters is not None:
-                    rest, calls = splitters[index].finish()
-                    if rest:
-                        yield chunk(index, {"content": rest})
-                    for k, call in enumerate(calls):
-                        yield chunk(index, {"tool_calls": [{"index": k, **call.to_openai()}]})
-                    finish = "tool_calls" if calls and finish == "stop" else finish
+                rest, calls = splitters[index].finish()
+                if rest:
+                    yield chunk(index, rest)
+                for k, call in enumerate(calls):
+                    yield chunk(index, {"tool_calls": [{"index": k, **call.to_openai()}]})
+                finish = "tool_calls" if calls and delta.finish_reason == "stop" else delta.finish_reason
                 yield chunk(index, {}, None, finish)
             item = await streams.next()
         if include_usage:
