@@ -211,7 +211,7 @@ def test_developer_role_is_a_system_message(served: ServedEngine, model: str) ->
     assert developer["choices"][0]["message"] == system["choices"][0]["message"]
 
 
-def test_models_lists_other_local_models_after_the_loaded_one(
+def test_models_lists_only_the_model_that_answers_with_its_context_length(
     served: ServedEngine, model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from chatapp import store
@@ -223,7 +223,8 @@ def test_models_lists_other_local_models_after_the_loaded_one(
     ]
     monkeypatch.setattr(store, "list_models", lambda: listing, raising=False)
     data = httpx.get(f"{served.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
-    assert [m["id"] for m in data] == [model, "org/other-model"]
+    assert [m["id"] for m in data] == [model]  # the store's other models would answer 404: not listed
+    assert data[0]["max_model_len"] == served.client.model_info.max_model_len > 0
     assert all(m["object"] == "model" and m["owned_by"] == "chatapp" and m["created"] > 0 for m in data)
     other = httpx.post(
         f"{served.url}/v1/chat/completions",

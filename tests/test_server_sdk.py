@@ -243,6 +243,33 @@ def test_chat_logprobs(sdk: OpenAI, model: str) -> None:
     assert "".join(e.token for e in content).startswith(out.choices[0].message.content)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_end_of_turn_token_is_never_in_logprobs(sdk: OpenAI, model: str, stream: bool) -> None:
+    """An answer that stops on <|im_end|> lists its content's tokens only, as OpenAI does."""
+    ask = [{"role": "user", "content": "What is 2 + 2?"}]  # answered in 12 tokens, then <|im_end|>
+    args = dict(model=model, messages=ask, max_tokens=64, temperature=0, logprobs=True)
+    if stream:
+        chunks = list(sdk.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+        used = chunks[-1].usage.completion_tokens
+    else:
+        out = sdk.chat.completions.create(**args)
+        entries, text = out.choices[0].logprobs.content, out.choices[0].message.content
+        finish, used = out.choices[0].finish_reason, out.usage.completion_tokens
+    assert finish == "stop"
+    assert "".join(e.token for e in entries) == text
+    assert len(entries) == used - 1  # usage still counts the token the model generated
+    assert all("<|im_end|>" not in e.token for e in entries)
+
+
+def test_logprobs_zero_has_no_top_logprobs(sdk: OpenAI, model: str) -> None:
+    out = sdk.completions.create(model=model, prompt="The capital of France is", max_tokens=3, logprobs=0)
+    lp = out.choices[0].logprobs
+    assert lp.top_logprobs is None and len(lp.tokens) == len(lp.token_logprobs) == 3
+
+
 def test_logit_bias_bans_the_greedy_first_token(sdk: OpenAI, model: str, tokenizer: Tokenizer) -> None:
     greedy = sdk.chat.completions.create(model=model, messages=QUESTION, max_tokens=1, temperature=0, logprobs=True)
     banned = tokenizer.encode(greedy.choices[0].logprobs.content[0].token)[0]
@@ -409,6 +436,11 @@ def test_wrong_or_missing_key_is_401(served: ServedEngine, model: str) -> None:
     assert missing.status_code == 401 and assert_error_shape(missing.json())["code"] == "missing_api_key"
     via_header = raw(served, "GET", "/v1/models", key=None, headers={"x-api-key": KEY})
     assert via_header.status_code == 200
+    # Continue sends "Bearer undefined" beside its x-api-key: the right key in either header is enough.
+    beside = raw(served, "GET", "/v1/models", key=None, headers={"x-api-key": KEY, "Authorization": "Bearer undefined"})
+    assert beside.status_code == 200
+    both_wrong = raw(served, "GET", "/v1/models", key=None, headers={"x-api-key": "no", "Authorization": "Bearer no"})
+    assert both_wrong.status_code == 401
 
 
 def test_unknown_model_and_route_are_404(served: ServedEngine, sdk: OpenAI, model: str) -> None:

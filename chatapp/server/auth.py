@@ -30,10 +30,13 @@ async def require_api_key(
     expected: str | None = request.app.state.api_key
     if expected is None:
         return
-    given = bearer.credentials if bearer is not None else header_key
+    # Either header may carry it; the right key in one is enough even if the other is wrong
+    # (Continue sends "Authorization: Bearer undefined" beside its x-api-key).
+    given = [k for k in (bearer.credentials if bearer is not None else None, header_key) if k]
     if not given:
         raise _unauthorized(
             "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.", "missing_api_key"
         )
-    if not hmac.compare_digest(given.encode(), expected.encode()):
+    matches = [hmac.compare_digest(k.encode(), expected.encode()) for k in given]  # both compared, always
+    if not any(matches):
         raise _unauthorized("Incorrect API key provided.", "invalid_api_key")

@@ -17,6 +17,18 @@ def _text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def without_end_of_turn(
+    tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], stopped: bool
+) -> tuple[list[int], list[TokenLogprobs]]:
+    """An answer that stopped on its end-of-turn token (a special token) without it: OpenAI never
+    returns that token, whose text the answer does not hold either."""
+    if stopped and token_ids and logprobs and len(logprobs) == len(token_ids):
+        last = token_ids[-1]
+        if tokenizer.decode([last], skip_special_tokens=True) == "" and _text(tokenizer, last):
+            return token_ids[:-1], logprobs[:-1]
+    return token_ids, logprobs
+
+
 def chat_logprobs(
     tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], top_n: int
 ) -> list[dict[str, Any]]:
@@ -36,7 +48,7 @@ def completion_logprobs(
     tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs], top_n: int, text_offset: int
 ) -> tuple[dict[str, Any], int]:
     """The legacy ``{tokens, token_logprobs, top_logprobs, text_offset}`` columns, and the next offset."""
-    cols: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    cols: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, lp in zip(token_ids, logprobs):
         text = _text(tokenizer, token_id)
         cols["tokens"].append(text)
@@ -44,4 +56,6 @@ def completion_logprobs(
         cols["top_logprobs"].append({_text(tokenizer, a): alp for a, alp in lp.top[:top_n]} if top_n else None)
         cols["text_offset"].append(text_offset)
         text_offset += len(text)
+    if not top_n:  # logprobs: 0 asks for no alternatives at all (OpenAI: null, not a list of nulls)
+        cols["top_logprobs"] = None
     return cols, text_offset

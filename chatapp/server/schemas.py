@@ -220,7 +220,7 @@ class ChatCompletion(BaseModel):
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
     token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float] | None] = []
+    top_logprobs: list[dict[str, float] | None] | None = []
     text_offset: list[int] = []
 
 
@@ -259,6 +259,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    max_model_len: int | None = Field(default=None, description="the context length, in tokens (as vLLM)")
 
 
 class ModelList(BaseModel):

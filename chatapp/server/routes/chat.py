@@ -13,7 +13,7 @@ from chatapp.engine.api import EngineClient
 from chatapp.server import generation as gen
 from chatapp.server.answers import AnswerShape
 from chatapp.server.errors import bad_request, unsupported
-from chatapp.server.logprobs import chat_logprobs
+from chatapp.server.logprobs import chat_logprobs, without_end_of_turn
 from chatapp.server.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse
 from chatapp.server.sse import event_stream
 from chatapp.server.state import ServerState, get_state
@@ -109,7 +109,9 @@ async def chat_completions(
         choices = []
         for i, r in enumerate(results):
             logprobs = (
-                {"content": chat_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n)} if body.logprobs else None
+                {"content": chat_logprobs(client.tokenizer, *_answer_tokens(client, r.token_ids, r.logprobs, r), top_n)}
+                if body.logprobs
+                else None
             )
             message, called = shape.message(r.text)
             finish = "tool_calls" if called and r.finish_reason == "stop" else r.finish_reason
@@ -138,6 +140,11 @@ async def chat_completions(
         shape=shape,
     )
     return event_stream(chunks, lambda exc: state.error(exc, "messages"))
+
+
+def _answer_tokens(client: EngineClient, token_ids: list[int], logprobs: list, result: Any) -> tuple[list, list]:
+    stopped = bool(getattr(result, "finished", True)) and result.finish_reason == "stop"
+    return without_end_of_turn(client.tokenizer, token_ids, logprobs, stopped)
 
 
 async def _chunks(
@@ -177,7 +184,8 @@ async def _chunks(
             index, delta = item
             logprobs = None
             if top_n is not None and delta.logprobs:
-                logprobs = {"content": chat_logprobs(client.tokenizer, delta.token_ids, delta.logprobs, top_n)}
+                ids, lps = _answer_tokens(client, delta.token_ids, delta.logprobs, delta)
+                logprobs = {"content": chat_logprobs(client.tokenizer, ids, lps, top_n)}
             fields = splitters[index].feed(delta.text)
             if fields or logprobs:
                 yield chunk(index, fields or {"content": ""}, logprobs)

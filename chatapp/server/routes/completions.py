@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from chatapp.engine.api import EngineClient
 from chatapp.server import generation as gen
 from chatapp.server.errors import unsupported
-from chatapp.server.logprobs import completion_logprobs
+from chatapp.server.logprobs import completion_logprobs, without_end_of_turn
 from chatapp.server.schemas import Completion, CompletionRequest, ErrorResponse
 from chatapp.server.sse import event_stream
 from chatapp.server.state import ServerState, get_state
@@ -65,7 +65,12 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         choices = []
         for k, r in enumerate(results):
             logprobs = (
-                completion_logprobs(client.tokenizer, r.token_ids, r.logprobs, top_n, 0)[0]
+                completion_logprobs(
+                    client.tokenizer,
+                    *without_end_of_turn(client.tokenizer, r.token_ids, r.logprobs, r.finish_reason == "stop"),
+                    top_n,
+                    0,
+                )[0]
                 if top_n is not None
                 else None
             )
@@ -123,9 +128,9 @@ async def _chunks(
             index, delta = item
             logprobs = None
             if top_n is not None and delta.logprobs:
-                logprobs, offsets[index] = completion_logprobs(
-                    client.tokenizer, delta.token_ids, delta.logprobs, top_n, offsets.get(index, 0)
-                )
+                stopped = delta.finished and delta.finish_reason == "stop"
+                ids, lps = without_end_of_turn(client.tokenizer, delta.token_ids, delta.logprobs, stopped)
+                logprobs, offsets[index] = completion_logprobs(client.tokenizer, ids, lps, top_n, offsets.get(index, 0))
             if delta.text or logprobs:
                 yield chunk(index, delta.text, logprobs)
             if delta.finished:

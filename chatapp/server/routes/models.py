@@ -1,8 +1,7 @@
-"""GET /v1/models and /v1/models/{id}: the loaded model first, then other local models."""
+"""GET /v1/models and /v1/models/{id}: the models that answer on this port."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
@@ -25,46 +24,32 @@ def _created(path: str, fallback: int) -> int:
         return fallback
 
 
-def _local_models() -> list[tuple[str, str, int]]:
-    """(id, path, created) of the runnable models in the local store, when the store can list them.
+def _cards(state: ServerState) -> list[ModelCard]:
+    """The models that answer here (the loaded one), each with its context length (vLLM's field).
 
-    Blocking (it scans the Hugging Face cache), so routes call it in a thread.
-    """
-    from chatapp import store
-
-    lister = getattr(store, "list_models", None)
-    if lister is None:
-        return []
-    try:
-        models = [m for m in lister() if getattr(getattr(m, "facts", None), "supported", True)]
-        return [(m.name, str(m.path), _created(str(m.path), 0)) for m in models]
-    except Exception:  # noqa: BLE001  a broken store must not break /v1/models
-        log.exception("listing local models failed")
-        return []
-
-
-async def _cards(state: ServerState) -> list[ModelCard]:
-    cards = []
-    seen: set[str] = set()
+    Other models in the local store are not listed: a request naming one would get a 404, and
+    clients pick the first listed id (`chatapp models list` shows the store)."""
     info = state.model_info
-    if info is not None:
-        cards.append(ModelCard(id=info.name, created=_created(info.path, state.started), owned_by=OWNER))
-        seen |= {info.name, info.path}
-    for name, path, created in await asyncio.to_thread(_local_models):
-        if name not in seen and path not in seen:
-            seen |= {name, path}
-            cards.append(ModelCard(id=name, created=created or state.started, owned_by=OWNER))
-    return cards
+    if info is None:
+        return []
+    return [
+        ModelCard(
+            id=info.name,
+            created=_created(info.path, state.started),
+            owned_by=OWNER,
+            max_model_len=info.max_model_len,
+        )
+    ]
 
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: ServerState = Depends(get_state)) -> ModelList:
-    return ModelList(data=await _cards(state))
+    return ModelList(data=_cards(state))
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
 async def get_model(model_id: str, state: ServerState = Depends(get_state)) -> ModelCard:
-    for card in await _cards(state):
+    for card in _cards(state):
         if card.id == model_id:
             return card
     raise APIError(404, f"The model `{model_id}` does not exist here.", param="model", code="model_not_found")
