@@ -13,7 +13,7 @@ from chatapp.engine.api import EngineClient
 from chatapp.server.auth import require_api_key
 from chatapp.server.errors import install_handlers
 from chatapp.server.middleware import DEFAULT_MAX_BODY_BYTES, AssumeJSON, BodySizeLimit
-from chatapp.server.routes import chat, completions, embeddings, models, ops
+from chatapp.server.routes import chat, completions, embeddings, models, ops, responses
 from chatapp.server.state import ServerState
 
 
@@ -46,7 +46,14 @@ def create_app(
         async def openapi() -> JSONResponse:
             return JSONResponse(app.openapi())
 
-    for router in (models.router, chat.router, completions.router, embeddings.router, ops.metrics_router):
+    for router in (
+        models.router,
+        chat.router,
+        responses.router,
+        completions.router,
+        embeddings.router,
+        ops.metrics_router,
+    ):
         app.include_router(router, dependencies=keyed)
 
     # The last added is the outermost: CORS headers go on every answer (a 413 included),

@@ -142,6 +142,30 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None
 
 
+class ResponsesRequest(_Body):
+    """POST /v1/responses, the stateless subset: no stored responses to continue from."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = Field(
+        default=None, description='{"format": {"type": "text" | "json_object" | "json_schema", ...}}'
+    )
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    stream: bool | None = False
+    store: bool | None = None  # accepted; nothing is stored
+    previous_response_id: str | None = None  # refused: nothing is stored to continue from
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # accepted and ignored (effort hints)
+    truncation: str | None = None
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for text completions

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from chatapp.engine.api import EngineClient
+from chatapp.engine.sampling_params import SamplingParams
 from chatapp.server import generation as gen
 from chatapp.server.answers import AnswerShape
 from chatapp.server.errors import bad_request, unsupported
@@ -52,19 +54,22 @@ def _check_supported(body: ChatCompletionRequest) -> None:
                     )
 
 
-@router.post(
-    "/v1/chat/completions",
-    response_model=ChatCompletion,
-    responses={
-        400: {"model": ErrorResponse},
-        404: {"model": ErrorResponse},
-        503: {"model": ErrorResponse},
-        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"},
-    },
-)
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
-) -> Any:
+@dataclass
+class ChatJob:
+    """A chat request made ready to run: its prompt, one SamplingParams per choice, and how to read
+    the answers (also what /v1/responses runs)."""
+
+    client: EngineClient
+    model: str
+    prompt: list[int]
+    params: list[SamplingParams]
+    shape: AnswerShape
+    n: int
+    top_n: int
+
+
+async def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
+    """Check, render and tokenize a chat request (raising APIError for anything wrong in it)."""
     client = state.engine()
     model = state.served_model(body.model)
     info = client.model_info
@@ -96,11 +101,27 @@ async def chat_completions(
     except Exception as exc:  # noqa: BLE001  ChatFormatError and friends -> 400
         raise state.error(exc, "messages") from None
     gen.check_context(prompt, info.max_model_len, max_tokens, "messages")
-    shape = AnswerShape.of(client.tokenizer, prompt, plan)
+    return ChatJob(client, model, prompt, params, AnswerShape.of(client.tokenizer, prompt, plan), n, top_n)
 
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={
+        400: {"model": ErrorResponse},
+        404: {"model": ErrorResponse},
+        503: {"model": ErrorResponse},
+        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"},
+    },
+)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
+) -> Any:
+    job = await prepare_chat(body, state)
+    client, prompt, n = job.client, job.prompt, job.n
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    streams = gen.ChoiceStreams(client, [prompt] * n, params, request_id)
+    streams = gen.ChoiceStreams(client, [prompt] * n, job.params, request_id)
     if not body.stream:
         try:
             results = await gen.until_disconnect(request, streams.collect(n))
@@ -109,16 +130,20 @@ async def chat_completions(
         choices = []
         for i, r in enumerate(results):
             logprobs = (
-                {"content": chat_logprobs(client.tokenizer, *_answer_tokens(client, r.token_ids, r.logprobs, r), top_n)}
+                {
+                    "content": chat_logprobs(
+                        client.tokenizer, *_answer_tokens(client, r.token_ids, r.logprobs, r), job.top_n
+                    )
+                }
                 if body.logprobs
                 else None
             )
-            message, called = shape.message(r.text)
+            message, called = job.shape.message(r.text)
             finish = "tool_calls" if called and r.finish_reason == "stop" else r.finish_reason
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         completion = sum(r.num_output_tokens for r in results)
         return ChatCompletion(
-            id=request_id, created=created, model=model, choices=choices, usage=gen.usage(len(prompt), completion)
+            id=request_id, created=created, model=job.model, choices=choices, usage=gen.usage(len(prompt), completion)
         )
 
     try:
@@ -132,12 +157,12 @@ async def chat_completions(
         first,
         request_id=request_id,
         created=created,
-        model=model,
+        model=job.model,
         n=n,
         prompt_tokens=len(prompt),
-        top_n=top_n if body.logprobs else None,
+        top_n=job.top_n if body.logprobs else None,
         include_usage=include_usage,
-        shape=shape,
+        shape=job.shape,
     )
     return event_stream(chunks, lambda exc: state.error(exc, "messages"))
 
