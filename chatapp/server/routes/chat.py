@@ -146,15 +146,12 @@ async def chat_completions(
             id=request_id, created=created, model=job.model, choices=choices, usage=gen.usage(len(prompt), completion)
         )
 
-    try:
-        first = await gen.first_delta(request, streams)
-    except Exception as exc:  # noqa: BLE001
-        raise state.error(exc, "messages") from None
+    # Headers and each choice's role chunk go out now, before the first token: a client waiting
+    # on a long prompt sees a live stream. A failure from here on travels as an error event.
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunks = _chunks(
         client,
         streams,
-        first,
         request_id=request_id,
         created=created,
         model=job.model,
@@ -175,7 +172,6 @@ def _answer_tokens(client: EngineClient, token_ids: list[int], logprobs: list, r
 async def _chunks(
     client: EngineClient,
     streams: gen.ChoiceStreams,
-    first: tuple[int, Any] | None,
     *,
     request_id: str,
     created: int,
@@ -204,7 +200,7 @@ async def _chunks(
     try:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        item = first
+        item = await streams.next()
         while item is not None:
             index, delta = item
             logprobs = None

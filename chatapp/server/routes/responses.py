@@ -217,18 +217,15 @@ async def create_response(body: ResponsesRequest, request: Request, state: Serve
             out.usage(result.num_output_tokens),
             "max_output_tokens" if length else None,
         )
-    try:
-        first = await gen.first_delta(request, streams)
-    except Exception as exc:  # noqa: BLE001
-        raise state.error(exc, "input") from None
+    # response.created goes out now, before the first token; later failures are error events.
     return StreamingResponse(
-        _encode(_events(out, streams, first), lambda exc: state.error(exc, "input")),
+        _encode(_events(out, streams), lambda exc: state.error(exc, "input")),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-async def _events(out: _Output, streams: gen.ChoiceStreams, first: Any) -> AsyncIterator[dict[str, Any]]:
+async def _events(out: _Output, streams: gen.ChoiceStreams) -> AsyncIterator[dict[str, Any]]:
     """The Responses API's stream: created, the output items as they form, then completed."""
     splitter = out.job.shape.splitter()
     items: list[dict[str, Any]] = []
@@ -280,8 +277,8 @@ async def _events(out: _Output, streams: gen.ChoiceStreams, first: Any) -> Async
             {"type": "response.output_item.done", "output_index": index, "item": done},
         ]
 
-    item = first
     try:
+        item = await streams.next()
         while item is not None:
             _index, delta = item
             fields = splitter.feed(delta.text)
