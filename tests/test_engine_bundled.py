@@ -131,3 +131,27 @@ def test_stop_strings_cut_the_text(llm: LLM) -> None:
     assert out.text == free.text[: free.text.index(" 7")]
     assert out.finish_reason == "stop" and out.stop_reason == " 7"
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+def test_prompt_logprobs_are_the_teacher_forced_ones_over_chunks_and_past_the_cache(llm: LLM) -> None:
+    """Each prompt token's logprob equals the full forward's, though the prompt runs in chunks of at
+    most 16 tokens and was cached by a request before (prompt logprobs skip the prefix cache)."""
+    import torch
+
+    from tests.quality_checks import teacher_forced_logits
+
+    ids = llm.tokenizer.encode(
+        "The quick brown fox jumps over the lazy dog, and in 1969 the first people walked on the moon."
+    )
+    llm.generate([ids], SamplingParams(max_tokens=1))  # now the prompt's full blocks are cached
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+    assert out.num_cached_tokens == 0
+    got = out.prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    reference = torch.log_softmax(teacher_forced_logits(llm, ids).float(), dim=-1)
+    chosen = reference[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([lp.logprob for lp in got[1:]]), chosen, atol=1e-4)
+    top = reference[:-1].topk(3, dim=-1)
+    assert [[t for t, _ in lp.top] for lp in got[1:]] == top.indices.tolist()
+    plain = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids

@@ -264,6 +264,27 @@ def test_the_end_of_turn_token_is_never_in_logprobs(sdk: OpenAI, model: str, str
     assert all("<|im_end|>" not in e.token for e in entries)
 
 
+def test_echo_gives_the_prompt_back_with_its_logprobs(sdk: OpenAI, model: str, tokenizer: Tokenizer) -> None:
+    """A prompt's echoed logprobs score its tokens as the model scored them when it wrote them."""
+    prompt = "The capital of France is"
+    first = sdk.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
+    ids = tokenizer.encode(prompt) + tokenizer.encode(first.choices[0].text)[: len(first.choices[0].logprobs.tokens)]
+    echoed = sdk.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = echoed.choices[0].logprobs
+    n = len(ids)
+    assert echoed.choices[0].text.startswith(prompt + first.choices[0].text)
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    written = first.choices[0].logprobs.token_logprobs
+    assert lp.token_logprobs[n - len(written) : n] == pytest.approx(written, abs=1e-3)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = list(
+        sdk.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+    plain = sdk.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
 def test_logprobs_zero_has_no_top_logprobs(sdk: OpenAI, model: str) -> None:
     out = sdk.completions.create(model=model, prompt="The capital of France is", max_tokens=3, logprobs=0)
     lp = out.choices[0].logprobs

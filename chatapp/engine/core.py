@@ -170,7 +170,7 @@ class EngineCore:
             return outputs
         result = self.runner.execute(batch, {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests})
         update = self.scheduler.update_from_output(
-            batch, result.sampled_requests, result.sampled.token_ids, result.sampled.logprobs
+            batch, result.sampled_requests, result.sampled.token_ids, result.sampled.logprobs, result.prompt_logprobs
         )
         outputs += update.outputs
         self.prompt_tokens_total += update.num_prompt_tokens

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from chatapp.engine.cpu_load import CpuLoadMonitor
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.loader import load_model
 from chatapp.engine.models.source import ModelSource
+from chatapp.engine.outputs import TokenLogprobs
 from chatapp.engine.request import Request
 from chatapp.engine.sampler import Sampler, SamplerOutput
 from chatapp.engine.scheduler import ScheduledBatch
@@ -72,6 +73,8 @@ class StepResult:
     sampled_requests: list[Request]
     sampled: SamplerOutput
     forward_seconds: float
+    # request id -> (first prompt position, logprobs of the prompt tokens from there), where asked
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -270,12 +273,28 @@ class ModelRunner:
         step = self._prepare(batch, block_ids)
         start = time.perf_counter()
         hidden = self._forward(step)
+        prompt_logprobs = self._prompt_logprobs(hidden, step) if step.prompt_rows else {}
         if not step.sample_rows:
-            return StepResult([], SamplerOutput([], []), time.perf_counter() - start)
+            return StepResult([], SamplerOutput([], []), time.perf_counter() - start, prompt_logprobs)
         sampled_reqs = [step.requests[i] for i in step.sample_rows]
         logits = self.model.compute_logits(hidden[step.logits_indices])
         forward_seconds = time.perf_counter() - start
-        return StepResult(sampled_reqs, self.sampler(logits, sampled_reqs), forward_seconds)
+        return StepResult(sampled_reqs, self.sampler(logits, sampled_reqs), forward_seconds, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: _PreparedStep) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Each asking request's prompt tokens scored by the positions before them in this chunk."""
+        out = {}
+        for req, first_row, first_position, targets in step.prompt_rows:
+            rows = torch.arange(first_row, first_row + len(targets), device=hidden.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            chosen = logprobs.gather(1, torch.tensor(targets, device=hidden.device)[:, None])[:, 0].tolist()
+            top_n = req.params.prompt_logprobs
+            tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+            if top_n:
+                values, ids = logprobs.topk(top_n, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+            out[req.request_id] = (first_position, [TokenLogprobs(c, t) for c, t in zip(chosen, tops)])
+        return out
 
     @torch.inference_mode()
     def hidden_states(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> list[torch.Tensor]:
@@ -371,6 +390,12 @@ class ModelRunner:
         slots = table_np[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         to_sample = {id(r) for r in batch.requests_to_sample()}
         sample_rows = [i for i, r in enumerate(reqs) if id(r) in to_sample]
+        # Prompt logprobs: row p of a chunk predicts prompt token p + 1 while that is still the prompt.
+        prompt_rows = []
+        for i, (r, s, q) in enumerate(zip(reqs, starts, q_lens)):
+            end = min(s + q, r.num_prompt_tokens - 1)
+            if r.params.prompt_logprobs is not None and end > s:
+                prompt_rows.append((r, int(query_start[i]), s + 1, r.all_token_ids[s + 1 : end + 1]))
 
         dev = self.device
         meta = AttentionMetadata(
@@ -391,6 +416,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=sample_rows,
             logits_indices=torch.from_numpy(query_start[1:][sample_rows] - 1).to(dev),
+            prompt_rows=prompt_rows,
         )
 
 
@@ -402,6 +428,8 @@ class _PreparedStep:
     meta: AttentionMetadata
     sample_rows: list[int]
     logits_indices: torch.Tensor
+    # (request, its first row, the first prompt position scored, the prompt tokens scored)
+    prompt_rows: list[tuple[Request, int, int, list[int]]] = field(default_factory=list)
 
 
 def _return_freed_memory() -> None:

@@ -31,6 +31,7 @@ class OutputDelta:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the first delta, when asked
 
 
 @dataclass
@@ -45,6 +46,7 @@ class _RequestState:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class OutputProcessor:
@@ -81,6 +83,8 @@ class OutputProcessor:
             state.token_ids.extend(out.new_token_ids)
             if out.new_logprobs:
                 state.logprobs.extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
             finished = out.finish_reason is not None
             text = state.detok.add_tokens(out.new_token_ids, finished)
             finish_reason = out.finish_reason
@@ -108,6 +112,7 @@ class OutputProcessor:
                     len(state.token_ids),
                     out.num_cached_tokens,
                     out.error,
+                    out.prompt_logprobs,
                 )
             )
             if finished:
@@ -141,4 +146,5 @@ class OutputProcessor:
             state.num_cached_tokens,
             error,
             metrics,
+            state.prompt_logprobs,
         )

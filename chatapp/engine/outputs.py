@@ -38,6 +38,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked
 
     @property
     def finished(self) -> bool:
@@ -64,3 +65,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token; None for the first

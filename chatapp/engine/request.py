@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from chatapp.engine.outputs import FinishReason
+from chatapp.engine.outputs import FinishReason, TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams
 
 
@@ -77,6 +77,8 @@ class Request:
         # Guided decoding: the llguidance matcher (set once its grammar compiled, engine side only);
         # the sampler masks this request's logits with it and each new token advances it.
         self.matcher: Any = None
+        # Asked-for prompt logprobs, by prompt position (position 0 has none), filled as chunks run.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None if params.prompt_logprobs is None else [None]
         self._block_size = block_size
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
@@ -95,6 +97,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def add_prompt_logprobs(self, first_position: int, logprobs: list[TokenLogprobs]) -> None:
+        """Logprobs of prompt tokens first_position, first_position + 1, ...; positions already held
+        (computed again after a preemption) are kept as they were."""
+        held = self.prompt_logprobs
+        if held is None:
+            return
+        for position, lp in enumerate(logprobs, start=first_position):
+            if position == len(held):
+                held.append(lp)
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

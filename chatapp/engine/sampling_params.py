@@ -33,6 +33,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     """None: no logprobs; 0: the chosen token's; N: also the top N."""
+    prompt_logprobs: int | None = None
+    """None: none; 0: each prompt token's logprob (the first has none); N: also the top N. The
+    request then skips the prefix cache (every prompt position must be computed)."""
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     guided: GuidedDecoding | dict[str, Any] | None = None
@@ -65,6 +68,8 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= _MAX_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {_MAX_LOGPROBS}, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be between 0 and {_MAX_LOGPROBS}, got {self.prompt_logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
             raise bad("seed", f"must be an integer that fits in 64 bits, got {self.seed!r}")
         if isinstance(self.guided, dict):

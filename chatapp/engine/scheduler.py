@@ -109,7 +109,9 @@ class Scheduler:
         # Admit waiting requests in order; none after a preemption, which means memory is short.
         while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            # A request that wants prompt logprobs computes every position: no prefix-cache hit.
+            lookup = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
+            cached = self.kv.find_cached_prefix(req) if lookup else []
             num_cached_tokens = len(cached) * self.kv.block_size
             num_new = min(
                 req.num_tokens - req.num_computed_tokens - num_cached_tokens,
@@ -137,6 +139,7 @@ class Scheduler:
         sampled: Sequence[Request],
         token_ids: Sequence[int],
         logprobs: Sequence[TokenLogprobs | None] | None = None,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
     ) -> StepUpdate:
         """Apply an executed step to its requests: the one place a step changes them.
 
@@ -147,6 +150,8 @@ class Scheduler:
         """
         num_prompt_tokens = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                req.add_prompt_logprobs(*prompt_logprobs[req.request_id])
             if req.num_computed_tokens < req.num_prompt_tokens:
                 num_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
@@ -164,6 +169,8 @@ class Scheduler:
             )
             if logprobs is not None and logprobs[i] is not None:
                 out.new_logprobs = [logprobs[i]]
+            if req.prompt_logprobs is not None and req.num_output_tokens == 1:
+                out.prompt_logprobs = req.prompt_logprobs
             if status is not None:
                 self.finish(req, status)
                 out.finish_reason = status.finish_reason

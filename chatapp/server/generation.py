@@ -123,6 +123,7 @@ def sampling_params(
     renames: dict[str, str] | None = None,
     guided: GuidedDecoding | None = None,
     skip_special_tokens: bool = True,
+    prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ.
 
@@ -148,6 +149,7 @@ def sampling_params(
         ignore_eos=bool(body.ignore_eos),
         guided=_one_grammar(guided, guided_decoding(body)),
         skip_special_tokens=skip_special_tokens,
+        prompt_logprobs=prompt_logprobs,
     )
     try:
         return [SamplingParams(**common, seed=None if body.seed is None else body.seed + i) for i in range(n)]
@@ -168,6 +170,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class ChoiceStreams:
@@ -257,6 +260,8 @@ class ChoiceStreams:
                 result.token_ids += delta.token_ids
                 if delta.logprobs:
                     result.logprobs += delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = delta.prompt_logprobs
                 result.num_prompt_tokens = delta.num_prompt_tokens
                 result.num_output_tokens = delta.num_output_tokens
                 if delta.finished:

@@ -59,3 +59,29 @@ def completion_logprobs(
     if not top_n:  # logprobs: 0 asks for no alternatives at all (OpenAI: null, not a list of nulls)
         cols["top_logprobs"] = None
     return cols, text_offset
+
+
+def echoed_prompt_logprobs(
+    tokenizer: Tokenizer, prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | None], top_n: int
+) -> tuple[dict[str, Any], int]:
+    """The prompt's own columns for ``echo``: its first token has no logprob (null), as OpenAI's."""
+    cols: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token_id, lp in zip(prompt_ids, prompt_logprobs):
+        text = _text(tokenizer, token_id)
+        cols["tokens"].append(text)
+        cols["token_logprobs"].append(None if lp is None else lp.logprob)
+        cols["top_logprobs"].append(None if lp is None else {_text(tokenizer, a): alp for a, alp in lp.top[:top_n]})
+        cols["text_offset"].append(offset)
+        offset += len(text)
+    if not top_n:
+        cols["top_logprobs"] = None
+    return cols, offset
+
+
+def join_columns(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two runs of legacy columns as one (the echoed prompt's, then the answer's)."""
+    joined = {key: first[key] + then[key] for key in ("tokens", "token_logprobs", "text_offset")}
+    tops = (first["top_logprobs"], then["top_logprobs"])
+    joined["top_logprobs"] = None if tops == (None, None) else (tops[0] or []) + (tops[1] or [])
+    return joined

@@ -243,7 +243,7 @@ class ChatCompletion(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
+    token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] | None = []
     text_offset: list[int] = []
 

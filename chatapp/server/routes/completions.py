@@ -12,7 +12,12 @@ from fastapi import APIRouter, Depends, Request
 from chatapp.engine.api import EngineClient
 from chatapp.server import generation as gen
 from chatapp.server.errors import unsupported
-from chatapp.server.logprobs import completion_logprobs, without_end_of_turn
+from chatapp.server.logprobs import (
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    join_columns,
+    without_end_of_turn,
+)
 from chatapp.server.schemas import Completion, CompletionRequest, ErrorResponse
 from chatapp.server.sse import event_stream
 from chatapp.server.state import ServerState, get_state
@@ -36,16 +41,20 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     client = state.engine()
     model = state.served_model(body.model)
     info = client.model_info
-    if body.echo:
-        raise unsupported("echo")
     if body.suffix:
         raise unsupported("suffix")
     gen.check_stream_options(body)
     n = gen.check_n(body.n)
     if body.best_of is not None and body.best_of != n:
         raise unsupported("best_of", "best_of other than n")
+    echo_logprobs = body.logprobs if body.echo else None  # the prompt's logprobs come with it
     params = gen.sampling_params(
-        body, n=n, vocab_size=info.vocab_size, max_tokens=body.max_tokens, logprobs=body.logprobs
+        body,
+        n=n,
+        vocab_size=info.vocab_size,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        prompt_logprobs=echo_logprobs,
     )
     prompts = await gen.token_id_lists(client, body.prompt, "prompt", MAX_PROMPTS)
     for i, ids in enumerate(prompts):
@@ -57,6 +66,7 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
     streams = gen.ChoiceStreams(client, [ids for ids in prompts for _ in range(n)], params * len(prompts), request_id)
     prompt_tokens = sum(len(ids) for ids in prompts)
     top_n = body.logprobs
+    echo = _Echo(client, body.prompt, prompts, n, top_n) if body.echo else None
     if not body.stream:
         try:
             results = await gen.until_disconnect(request, streams.collect(n * len(prompts)))
@@ -74,7 +84,10 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
                 if top_n is not None
                 else None
             )
-            choices.append({"index": k, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason})
+            text = r.text
+            if echo is not None:
+                text, logprobs = echo.prepend(k, text, logprobs, r.prompt_logprobs)
+            choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": r.finish_reason})
         completion = sum(r.num_output_tokens for r in results)
         return Completion(
             id=request_id, created=created, model=model, choices=choices, usage=gen.usage(prompt_tokens, completion)
@@ -95,8 +108,32 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
         prompt_tokens=prompt_tokens,
         top_n=top_n,
         include_usage=include_usage,
+        echo=echo,
     )
     return event_stream(chunks, lambda exc: state.error(exc, "prompt"))
+
+
+class _Echo:
+    """``echo``: each choice's text and logprobs start with its prompt's (OpenAI's legacy option)."""
+
+    def __init__(self, client: EngineClient, raw: Any, prompts: list[list[int]], n: int, top_n: int | None) -> None:
+        self.client, self.prompts, self.n, self.top_n = client, prompts, n, top_n
+        texts = [raw] if isinstance(raw, str) else raw if raw and isinstance(raw[0], str) else None
+        self.texts = texts or [client.tokenizer.decode(ids) for ids in prompts]
+
+    def prepend(self, choice: int, text: str, logprobs: dict[str, Any] | None, prompt_logprobs: Any):
+        """(the prompt's text + text, the prompt's columns + logprobs) for choice k."""
+        prompt = choice // self.n
+        text = self.texts[prompt] + text
+        if self.top_n is None:
+            return text, logprobs
+        cols, offset = echoed_prompt_logprobs(
+            self.client.tokenizer, self.prompts[prompt], prompt_logprobs or [], self.top_n
+        )
+        if logprobs is None:
+            return text, cols
+        shifted = {**logprobs, "text_offset": [o + offset for o in logprobs["text_offset"]]}
+        return text, join_columns(cols, shifted)
 
 
 async def _chunks(
@@ -110,8 +147,10 @@ async def _chunks(
     prompt_tokens: int,
     top_n: int | None,
     include_usage: bool,
+    echo: _Echo | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """text_completion events: text chunks, then one chunk with the finish_reason per choice."""
+    """text_completion events: text chunks, then one chunk with the finish_reason per choice (with
+    echo, a choice's first chunk starts with its prompt)."""
     base: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model}
 
     def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
@@ -121,6 +160,7 @@ async def _chunks(
         return event
 
     offsets: dict[int, int] = {}
+    echoed: set[int] = set()
     completion_tokens = 0
     try:
         item = first
@@ -131,8 +171,16 @@ async def _chunks(
                 stopped = delta.finished and delta.finish_reason == "stop"
                 ids, lps = without_end_of_turn(client.tokenizer, delta.token_ids, delta.logprobs, stopped)
                 logprobs, offsets[index] = completion_logprobs(client.tokenizer, ids, lps, top_n, offsets.get(index, 0))
-            if delta.text or logprobs:
-                yield chunk(index, delta.text, logprobs)
+            text = delta.text
+            if echo is not None and index not in echoed:
+                echoed.add(index)
+                text, logprobs = echo.prepend(index, text, logprobs, delta.prompt_logprobs)
+                if logprobs is not None:
+                    offsets[index] = (logprobs["text_offset"] or [0])[-1] + len(
+                        logprobs["tokens"][-1] if logprobs["tokens"] else ""
+                    )
+            if text or logprobs:
+                yield chunk(index, text, logprobs)
             if delta.finished:
                 gen.check_finish(delta)
                 completion_tokens += delta.num_output_tokens
