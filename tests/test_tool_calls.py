@@ -340,3 +340,19 @@ def test_bad_tool_requests_are_400s_naming_the_field(
         sdk.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=extra)
     assert info.value.param == param, info.value.message
     assert idle(served.stats())
+
+
+def test_a_repeated_call_is_kept_once_and_calls_are_capped(compiler: GrammarCompiler) -> None:
+    """A small model looping on one call gives it once; the grammar stops calls at MAX_PARALLEL_CALLS."""
+    from chatapp.engine.tools import MAX_PARALLEL_CALLS
+
+    block = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>\n'
+    _content, calls = HERMES.parse(block * 3)
+    assert [c.name for c in calls] == ["get_time"]
+    tokenizer = Tokenizer(bundled_gguf_path())
+    spec = GuidedDecoding(grammar=HERMES.grammar(TOOLS, required=True, parallel=True))
+    matcher = compiler.matcher(spec)
+    for token in tokenizer.hf.encode(block * MAX_PARALLEL_CALLS, add_special_tokens=False):
+        assert matcher.consume_token(token)
+    assert matcher.is_accepting()
+    assert not all(matcher.consume_token(t) for t in tokenizer.hf.encode("<tool_call>", add_special_tokens=False))

@@ -52,6 +52,18 @@ def _calls_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, 
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
+# Parallel calls in one answer, at most: small models otherwise repeat a call until max_tokens.
+MAX_PARALLEL_CALLS = 4
+
+
+def _repeat(rule: str, separator: str, parallel: bool) -> str:
+    """One to MAX_PARALLEL_CALLS of ``rule`` (Lark alternatives; one when not parallel)."""
+    if not parallel:
+        return rule
+    joiner = f" {separator} " if separator else " "
+    return " | ".join(joiner.join([rule] * k) for k in range(1, MAX_PARALLEL_CALLS + 1))
+
+
 def _lark_json(schema: dict[str, Any]) -> str:
     """A JSON Schema as a Lark rule, laid out on one line as json.dumps writes it (free whitespace
     would let the JSON swallow the newline the format puts after it)."""
@@ -82,11 +94,11 @@ class HermesFormat(ToolFormat):
     _block = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
-        calls = "call+" if parallel else "call"
-        start = f"start: {calls}" if required else f"start: TEXT | {calls}"
+        start = "start: calls" if required else "start: TEXT | calls"
         return "\n".join(
             [
                 start,
+                "calls: " + _repeat("call", "", parallel),
                 r"TEXT: /[^<\s][\s\S]*/",  # a plain answer: anything that does not open with a call
                 r'call: "<tool_call>\n" args "\n</tool_call>" "\n"?',
                 "args: " + _lark_json(_calls_schema(tools, "arguments")),
@@ -103,7 +115,7 @@ class HermesFormat(ToolFormat):
             if call is None:
                 return text, []  # not calls after all: the answer stays as written
             calls.append(call)
-        return text[:at].strip(), calls
+        return text[:at].strip(), _unique(calls)
 
 
 class Llama3JsonFormat(ToolFormat):
@@ -111,9 +123,15 @@ class Llama3JsonFormat(ToolFormat):
     marker = "<|python_tag|>"
 
     def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
-        calls = 'call ("; " call)*' if parallel else "call"
-        start = f"start: {calls}" if required else f"start: TEXT | {calls}"
-        return "\n".join([start, r"TEXT: /[^{\s][\s\S]*/", "call: " + _lark_json(_calls_schema(tools, "parameters"))])
+        start = "start: calls" if required else "start: TEXT | calls"
+        return "\n".join(
+            [
+                start,
+                "calls: " + _repeat("call", '"; "', parallel),
+                r"TEXT: /[^{\s][\s\S]*/",
+                "call: " + _lark_json(_calls_schema(tools, "parameters")),
+            ]
+        )
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.strip().removeprefix(self.marker).strip()
@@ -125,7 +143,7 @@ class Llama3JsonFormat(ToolFormat):
             if call is None:
                 return text, []
             calls.append(call)
-        return "", calls
+        return "", _unique(calls)
 
 
 class MistralFormat(ToolFormat):
@@ -134,9 +152,12 @@ class MistralFormat(ToolFormat):
     skip_special_tokens = False
 
     def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
-        items = {"type": "array", "items": _calls_schema(tools, "arguments"), "minItems": 1}
-        if not parallel:
-            items["maxItems"] = 1
+        items = {
+            "type": "array",
+            "items": _calls_schema(tools, "arguments"),
+            "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+        }
         start = "start: calls" if required else "start: TEXT | calls"
         return "\n".join(
             [start, r"TEXT: /[^\[\s][\s\S]*/", 'calls: "[TOOL_CALLS]" array', "array: " + _lark_json(items)]
@@ -154,7 +175,18 @@ class MistralFormat(ToolFormat):
         calls = [_call_from_obj(item, "arguments") for item in items]
         if not calls or any(c is None for c in calls):
             return text, []
-        return text[:at].strip(), calls
+        return text[:at].strip(), _unique(calls)
+
+
+def _unique(calls: list[ToolCall]) -> list[ToolCall]:
+    """Calls with the same name and arguments once: a repeat is a small model looping, not intent."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for call in calls:
+        if (call.name, call.arguments) not in seen:
+            seen.add((call.name, call.arguments))
+            out.append(call)
+    return out
 
 
 def _split_json_objects(text: str) -> list[str]:
