@@ -479,3 +479,27 @@ def test_keymap_from_settings_unbinds_and_reports_unknown_actions() -> None:
     assert len(warnings) == 1 and "'teleport'" in warnings[0]
     assert keymap.key_for("next_session", {"next_session": "ctrl+pagedown"}) == "ctrl+pagedown,f6"
     assert keymap.display_key(keymap.key_for("stop", {"stop": ""})) == "(unbound)"
+
+
+async def test_a_think_block_is_folded_above_the_answer(tmp_path: Path) -> None:
+    """A reasoning model's <think> block streams into a folded "Thinking" section, the answer into the
+    Markdown; the message keeps the whole text (history, export), and a reload folds it again."""
+    from textual.widgets import Collapsible
+
+    reply = "<think>\nThe user asks for 2 + 2. That is 4.\n</think>\n\nIt is **4**."
+    app = make_app(tmp_path, FakeClient(reply=reply, chunk=3))  # tags split across deltas
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "2 + 2?")
+        await wait_for(pilot, lambda: answered(pane), "the answer finished")
+        answer = pane.conversation.path()[-1]
+        assert answer.content == reply
+        view = pane.view_for(answer)
+        fold = view.query_one(".message-thinking", Collapsible)
+        assert fold.collapsed and fold.title == "Thinking"
+        assert str(fold.query_one(".thinking-text").render()) == "The user asks for 2 + 2. That is 4.\n"
+        assert view.body.source == "It is **4**."
+        await pane.show_path()  # rebuilt from the stored node
+        again = pane.view_for(answer)
+        assert again.body.source == "It is **4**." and again.query_one(".message-thinking", Collapsible).collapsed
+        await app.action_quit()

@@ -27,6 +27,7 @@ from textual.widgets.markdown import MarkdownStream
 from textual.worker import Worker
 
 from chatapp.engine.api import EngineDeadError, EngineError, InvalidRequestError
+from chatapp.engine.reasoning import ReasoningSplitter
 from chatapp.history import Metrics
 from chatapp.tui.conversation import Conversation, Node
 from chatapp.tui.session_config import SessionConfig, SessionConfigError
@@ -240,6 +241,7 @@ class ChatPane(Vertical):
         n_prompt = n_out = 0
         finish: str | None = None
         error: str | None = None
+        thinking = ReasoningSplitter()  # a think block goes to its fold, the rest to the Markdown
         try:
             params = self.config.sampling_params()
             client = await self.services.client_for(self.config)
@@ -253,11 +255,20 @@ class ChatPane(Vertical):
                         if self._first_token is None:
                             self._first_token = time.monotonic()
                         answer.content += delta.text
-                        self._pending.append(delta.text)
+                        thought, text = thinking.feed(delta.text)
+                        if thought:
+                            await view.add_thinking(thought)
+                        if text:
+                            self._pending.append(text)
                         if self._flush_timer is None:
                             self._flush_timer = self.set_timer(FLUSH_S, self._flush)
                     if delta.finished:
                         finish, error = delta.finish_reason, delta.error
+                        thought, text = thinking.finish()
+                        if thought:
+                            await view.add_thinking(thought)
+                        if text:
+                            self._pending.append(text)
             finally:
                 aclose = getattr(gen, "aclose", None)
                 if aclose is not None:
@@ -320,8 +331,9 @@ class ChatPane(Vertical):
                 await stream.stop()
             except asyncio.CancelledError:
                 pass  # its task was cancelled before it first ran (the stream ended at once)
-        if view.body.source != answer.content:
-            await view.body.update(answer.content)  # whatever the stream could not deliver
+        _reasoning, shown = view.parts()
+        if view.body.source != shown:
+            await view.body.update(shown)  # whatever the stream could not deliver
         answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete", None: "incomplete"}.get(
             finish, "error"
         )

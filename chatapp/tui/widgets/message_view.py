@@ -1,12 +1,14 @@
-"""One message of a pane: who wrote it, which branch it is, the Markdown text, and an answer's numbers."""
+"""One message of a pane: who wrote it, which branch it is, the Markdown text (a reasoning model's
+think block folded above it), and an answer's numbers."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 
+from chatapp.engine.reasoning import split_reasoning
 from chatapp.tui.conversation import Branch, Node
 
 _STATUS_LABELS = {"streaming": "writing…", "incomplete": "incomplete", "error": "error"}
@@ -19,16 +21,39 @@ class MessageView(Vertical):
         super().__init__(classes=f"message {node.role} status-{node.status}")
         self.node = node
         self.branch = branch
+        self._thought = ""  # the think block streamed so far
 
     def compose(self) -> ComposeResult:
         yield Static(self._header(), classes="message-header")
-        yield Markdown(self.node.content, classes="message-body")
+        reasoning, content = self.parts()
+        if reasoning is not None:
+            yield self._thinking(reasoning)
+        yield Markdown(content, classes="message-body")
         if self.node.role == "assistant":
             yield Static(self._footer(), classes="message-footer")
+
+    def parts(self) -> tuple[str | None, str]:
+        """(a reasoning model's think block, the answer) of the message's text."""
+        if self.node.role != "assistant":
+            return None, self.node.content
+        return split_reasoning(self.node.content)
 
     @property
     def body(self) -> Markdown:
         return self.query_one(".message-body", Markdown)
+
+    def _thinking(self, text: str) -> Collapsible:
+        """The think block, folded under a title (Enter or a click opens it)."""
+        return Collapsible(Static(text, classes="thinking-text"), title="Thinking", classes="message-thinking")
+
+    async def add_thinking(self, text: str) -> None:
+        """Append streamed reasoning, folding it in above the answer the first time."""
+        self._thought += text
+        found = self.query(".message-thinking")
+        if not found:
+            await self.mount(self._thinking(self._thought), before=self.body)
+            return
+        found.first(Collapsible).query_one(".thinking-text", Static).update(self._thought)
 
     def _header(self) -> Text:
         node = self.node
