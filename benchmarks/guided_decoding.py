@@ -77,6 +77,66 @@ def compile_times(llm: LLM, rounds: int) -> tuple[float, list[float], list[float
     return tokenizer_seconds, compiles, first_masks
 
 
+def library_comparison(llm: LLM, rounds: int) -> None:
+    """llguidance against xgrammar on the same tool schema and the same JSON answer, token by
+    token: compile (a new grammar each round) and one mask per token. Runs when xgrammar is
+    installed (it is not a dependency): pip install xgrammar."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        print("xgrammar not installed: no library comparison (pip install xgrammar)")
+        return
+    import json
+
+    import llguidance.torch as llt
+
+    from chatapp.engine.tokenizer import load_hf_tokenizer
+
+    vocab = llm.core.model_config.vocab_size
+    answer = json.dumps({"location": "Paris, France", "unit": "celsius", "days": 3, "include_hourly": False})
+    ids = llm.tokenizer.hf.encode(answer, add_special_tokens=False)
+
+    start = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(load_hf_tokenizer(llm.core.model.path), vocab_size=vocab)
+    xgr_compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    xgr_setup = time.perf_counter() - start
+    start = time.perf_counter()
+    ll_compiler = GrammarCompiler(llm.tokenizer.hf.backend.to_str(), vocab, llm.core.model_config.eos_token_ids)
+    ll_compiler.matcher(GuidedDecoding(regex="warm"))
+    ll_setup = time.perf_counter() - start
+
+    ll_compile, xgr_compile, ll_mask, xgr_mask = [], [], [], []
+    for i in range(rounds):
+        schema = {**TOOL_SCHEMA, "description": f"variant {i}"}
+        start = time.perf_counter()
+        ll = ll_compiler.matcher(GuidedDecoding(json_schema=schema))
+        ll_compile.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        xm = xgr.GrammarMatcher(xgr_compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+        xgr_compile.append(time.perf_counter() - start)
+        ll_bits, xgr_bits = llt.allocate_token_bitmask(1, vocab), xgr.allocate_token_bitmask(1, vocab)
+        for token in ids:
+            start = time.perf_counter()
+            llt.fill_next_token_bitmask(ll, ll_bits, 0)
+            ll_mask.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            xm.fill_next_token_bitmask(xgr_bits)
+            xgr_mask.append(time.perf_counter() - start)
+            ll.consume_token(token)
+            xm.accept_token(token)
+    print()
+    print(f"| library | tokenizer set-up | tool schema compile (median) | mask per token (median, {len(ids)} tokens) |")
+    print("| --- | --- | --- | --- |")
+    for name, setup, comp, mask in (
+        ("llguidance", ll_setup, ll_compile, ll_mask),
+        ("xgrammar", xgr_setup, xgr_compile, xgr_mask),
+    ):
+        print(
+            f"| {name} | {setup * 1e3:.0f} ms | {statistics.median(comp) * 1e3:.2f} ms | "
+            f"{statistics.median(mask) * 1e6:.0f} us |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -101,6 +161,7 @@ def main() -> None:
         f"tool schema -> matcher: median {statistics.median(compiles) * 1e3:.2f} ms "
         f"(max {max(compiles) * 1e3:.2f}); first mask: median {statistics.median(masks) * 1e3:.2f} ms"
     )
+    library_comparison(llm, args.rounds)
 
 
 if __name__ == "__main__":

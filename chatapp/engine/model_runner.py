@@ -20,6 +20,7 @@ import torch
 from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend, layer_attention
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
+from chatapp.engine.memory import return_freed_memory
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.loader import load_model
 from chatapp.engine.models.source import ModelSource
@@ -171,7 +172,7 @@ class ModelRunner:
             if quantizer is not None:
                 quantizer.run(model)
         self.quantization = None if quantizer is None else quantizer.applied
-        _return_freed_memory()
+        return_freed_memory()
         return model
 
     def bytes_per_block(self) -> int:
@@ -430,21 +431,6 @@ class _PreparedStep:
     logits_indices: torch.Tensor
     # (request, its first row, the first prompt position scored, the prompt tokens scored)
     prompt_rows: list[tuple[Request, int, int, list[int]]] = field(default_factory=list)
-
-
-def _return_freed_memory() -> None:
-    """Hand the float layers freed while quantizing back to the OS (glibc keeps freed chunks under
-    its adaptive mmap threshold in its heap, where they would count in the resident set for good)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from chatapp.engine.memory import return_freed_memory
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gemma import model_class
 from chatapp.engine.models.llama import LlamaForCausalLM, RMSNorm
+from chatapp.engine.models.safetensors_reader import CheckpointError, StoredTensor, read_index, read_into, read_tensor
 
 # checkpoint suffix -> (our parameter suffix, shard index within the fused weight)
 _FUSED = {
@@ -30,10 +31,6 @@ _FUSED = {
 
 
 _OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's files do not match what its config describes."""
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -89,6 +86,7 @@ def load_model(
         fill([(f"layers.{i}.", layer)], entries.pop(f"layers.{i}", []))
         if sink is not None:
             sink.layer(model, layer)
+            return_freed_memory()  # the layer's float weights, before the next layer's arrive
     if model.lm_head is not None:
         fill([("lm_head.", model.lm_head)], entries.pop("lm_head", []), keep_16bit=compact)
     if sink is not None:
@@ -97,7 +95,7 @@ def load_model(
     return model
 
 
-_Entry = tuple[Path, str, str, int | None]  # (file, checkpoint name, our parameter, fused shard)
+_Entry = tuple[StoredTensor, str, int | None]  # (the stored tensor, our parameter, fused shard)
 
 
 def _checkpoint_entries(model_dir: Path, model: LlamaForCausalLM) -> dict[str, list[_Entry]]:
@@ -109,9 +107,7 @@ def _checkpoint_entries(model_dir: Path, model: LlamaForCausalLM) -> dict[str, l
     ours = {name for name, _ in model.named_parameters()}
     groups: dict[str, list[_Entry]] = {}
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-        for name in names:
+        for name, stored in read_index(path).items():
             target = _target(name, model.config)
             if target is None:
                 continue
@@ -119,15 +115,12 @@ def _checkpoint_entries(model_dir: Path, model: LlamaForCausalLM) -> dict[str, l
             if param not in ours:
                 raise CheckpointError(f"unexpected checkpoint tensor {name}")
             group = ".".join(param.split(".")[:2]) if param.startswith("layers.") else param.split(".")[0]
-            groups.setdefault(group, []).append((path, name, param, shard))
+            groups.setdefault(group, []).append((stored, param, shard))
     return groups
 
 
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
-
-
 class _Filler:
-    """Materialises a group of modules and copies its checkpoint tensors in, every weight accounted for."""
+    """Materialises a group of modules and reads its checkpoint tensors in, every weight accounted for."""
 
     def __init__(self, model_dir: Path, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.model_dir, self.mc, self.dtype, self.device = model_dir, mc, dtype, device
@@ -136,21 +129,15 @@ class _Filler:
     def __call__(self, modules: list[tuple[str, nn.Module]], entries: list[_Entry], keep_16bit: bool = False) -> None:
         """keep_16bit: a one-tensor module takes its checkpoint tensor's dtype where that is 16-bit."""
         dtype = self.dtype
-        if keep_16bit and len(entries) == 1:
-            with safe_open(str(entries[0][0]), framework="pt") as f:
-                stored = _SAFETENSORS_DTYPES.get(f.get_slice(entries[0][1]).get_dtype())
-            dtype = stored or dtype
+        if keep_16bit and len(entries) == 1 and entries[0][0].dtype in ("BF16", "F16"):
+            dtype = entries[0][0].torch_dtype
         params: dict[str, nn.Parameter] = {}
         for prefix, module in modules:
             module.to(dtype=dtype).to_empty(device=self.device)
             params.update({prefix + n: p for n, p in module.named_parameters()})
         loaded: set[str] = set()
-        # Each file is opened for this group only: closing it unmaps the pages just read, so the
-        # resident set holds the checkpoint's bytes one group at a time, not the whole file.
-        for path in dict.fromkeys(entry[0] for entry in entries):
-            with safe_open(str(path), framework="pt") as f:
-                for _path, name, param, shard in (e for e in entries if e[0] == path):
-                    self._put(params[param], shard, f.get_tensor(name), name, param, loaded)
+        for stored, param, shard in entries:
+            self._put(params[param].data, shard, stored, param, loaded)
         missing = sorted(set(params) - loaded)
         if missing:
             raise CheckpointError(
@@ -163,21 +150,20 @@ class _Filler:
                     if isinstance(norm, RMSNorm):
                         norm.weight.copy_((norm.weight.float() + self.mc.norm_weight_offset).to(norm.weight.dtype))
 
-    def _put(
-        self, dest: torch.Tensor, shard: int | None, src: torch.Tensor, name: str, param: str, loaded: set[str]
-    ) -> None:
+    def _put(self, dest: torch.Tensor, shard: int | None, stored: StoredTensor, param: str, loaded: set[str]) -> None:
+        if shard is not None:
+            sizes = _shard_sizes(self.mc, param)
+            start = sum(sizes[:shard])
+            dest = dest[start : start + sizes[shard]]
+        if tuple(dest.shape) != stored.shape:
+            raise CheckpointError(f"tensor {stored.name} has shape {stored.shape}, expected {tuple(dest.shape)}")
+        if stored.torch_dtype == dest.dtype and dest.device.type == "cpu" and dest.is_contiguous():
+            read_into(stored, dest)  # straight into the weight: no second copy in memory
+        else:
+            dest.copy_(read_tensor(stored))  # another dtype (bf16 -> float32) or device
         if shard is None:
-            if src.dtype == dest.dtype and src.shape == dest.shape and dest.device == src.device:
-                # safetensors hands out a view of its map of the file: copied, so that the weights
-                # never depend on a file that may be replaced (or the map be kept open) while serving.
-                dest.data = src.clone()
-            else:
-                _copy(dest.data, src, name)
             loaded.add(param)
             return
-        sizes = _shard_sizes(self.mc, param)
-        start = sum(sizes[:shard])
-        _copy(dest.data[start : start + sizes[shard]], src, name)
         loaded.add(f"{param}#{shard}")
         if all(f"{param}#{i}" in loaded for i in range(len(sizes))):
             loaded.add(param)
@@ -201,9 +187,3 @@ def _target(name: str, mc: ModelConfig) -> tuple[str, int | None] | None:
             prefix, kind = name.split(marker)
             return f"{prefix}.{fused}.{kind}", shard
     return name, None
-
-
-def _copy(dest: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dest.shape != src.shape:
-        raise CheckpointError(f"tensor {name} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
-    dest.copy_(src)
