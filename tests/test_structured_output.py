@@ -256,12 +256,17 @@ def test_masking_touches_exactly_the_blocked_logits(blocked_share: float) -> Non
 
     rng = np.random.default_rng(0)
     blocked = rng.random((3, 1000)) < blocked_share
+    blocked[0, 100:400] = blocked_share > 0.5  # whole words of one kind, as masks mostly are
+    # llguidance's layout: bit t of a row's int32 words set when token t is allowed
+    padded = np.zeros((3, 1024), dtype=bool)
+    padded[:, :1000] = ~blocked
+    words = np.packbits(padded, axis=-1, bitorder="little").view(np.int32)
     logits = torch.randn(3, 1000)
     expected = logits.masked_fill(torch.from_numpy(blocked), float("-inf"))
     whole = logits.clone()
-    _mask_out(whole, blocked)
+    _mask_out(whole, words)
     assert torch.equal(whole, expected)
     strided = torch.randn(1000, 3).T
     expected = strided.masked_fill(torch.from_numpy(blocked), float("-inf"))
-    _mask_out(strided, blocked)
+    _mask_out(strided, words)
     assert torch.equal(strided, expected)
