@@ -356,3 +356,62 @@ def test_a_repeated_call_is_kept_once_and_calls_are_capped(compiler: GrammarComp
         assert matcher.consume_token(token)
     assert matcher.is_accepting()
     assert not all(matcher.consume_token(t) for t in tokenizer.hf.encode("<tool_call>", add_special_tokens=False))
+
+
+def test_mistral_calls_parse_with_or_without_their_special_token_and_take_mistral_ids() -> None:
+    """Decoded with special tokens skipped, a Mistral call is a bare list (its end token gone or not)."""
+    for text in (
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {"timezone": "UTC"}}]</s>',
+        '[{"name": "get_time", "arguments": {"timezone": "UTC"}}]',
+    ):
+        content, calls = MISTRAL.parse(text)
+        assert content == "" and [c.name for c in calls] == ["get_time"]
+        assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+    splitter = CallSplitter(MISTRAL, calls_only=False)
+    assert "".join(splitter.feed(ch) for ch in '[{"name": "get_time", "arguments": {"timezone": "UTC"}}]') == ""
+    assert [c.name for c in splitter.finish()[1]] == ["get_time"]
+    splitter = CallSplitter(MISTRAL, calls_only=False)
+    assert "".join(splitter.feed(ch) for ch in "[a link](x) and text") + splitter.finish()[0] == "[a link](x) and text"
+
+
+def test_tools_whose_schemas_use_defs_compile_and_hold(compiler: GrammarCompiler) -> None:
+    """Pydantic's nested models arrive as $defs references; nested under a call they still resolve."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "$defs": {
+                    "Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+                },
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Place"}},
+                "required": ["to"],
+            },
+        },
+    }
+    tokenizer = Tokenizer(bundled_gguf_path())
+    spec = GuidedDecoding(grammar=HERMES.grammar([tool, TIME_TOOL], required=True, parallel=False))
+    spec.check()
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.matcher(spec)
+        return all(matcher.consume_token(t) for t in tokenizer.hf.encode(text, add_special_tokens=False))
+
+    assert accepts('<tool_call>\n{"name": "book", "arguments": {"to": {"city": "Rome"}}}\n</tool_call>')
+    assert not accepts('<tool_call>\n{"name": "book", "arguments": {"to": {"town": "Rome"}}}\n</tool_call>')
+
+
+def test_fallback_takes_text_parts_beside_calls() -> None:
+    messages = [
+        {"role": "user", "content": "Rome?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Checking."}],
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "noon"}]},
+    ]
+    out = fallback_messages(messages, TOOLS)
+    assert out[2]["content"].startswith("Checking.\n<tool_call>")
+    assert out[3]["content"] == "<tool_response>\nnoon\n</tool_response>"

@@ -486,7 +486,7 @@ async def test_a_think_block_is_folded_above_the_answer(tmp_path: Path) -> None:
     Markdown; the message keeps the whole text (history, export), and a reload folds it again."""
     from textual.widgets import Collapsible
 
-    reply = "<think>\nThe user asks for 2 + 2. That is 4.\n</think>\n\nIt is **4**."
+    reply = "<think>\nThe user asks for 2 + 2 [/usr/lib]. That is 4.\n</think>\n\nIt is **4**."  # not markup
     app = make_app(tmp_path, FakeClient(reply=reply, chunk=3))  # tags split across deltas
     async with app.run_test(size=(120, 40)) as pilot:
         pane = panes(app)[0]
@@ -497,7 +497,7 @@ async def test_a_think_block_is_folded_above_the_answer(tmp_path: Path) -> None:
         view = pane.view_for(answer)
         fold = view.query_one(".message-thinking", Collapsible)
         assert fold.collapsed and fold.title == "Thinking"
-        assert str(fold.query_one(".thinking-text").render()) == "The user asks for 2 + 2. That is 4.\n"
+        assert str(fold.query_one(".thinking-text").render()) == "The user asks for 2 + 2 [/usr/lib]. That is 4.\n"
         assert view.body.source == "It is **4**."
         await pane.show_path()  # rebuilt from the stored node
         again = pane.view_for(answer)

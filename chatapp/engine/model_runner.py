@@ -43,6 +43,9 @@ SINGLE_THREAD_BELOW_ATTENTION = 32_768  # sum over requests of new tokens x cont
 # Beyond weights and KV cache: the interpreter, torch, activations of a step and the allocator's slack.
 WORKING_MEMORY_BYTES = 512 * 2**20
 
+# Prompt logprobs are scored this many prompt positions at a time (bounds the logits held at once).
+PROMPT_LOGPROB_ROWS = 256
+
 # The default KV pool (CPU): this many full contexts (several chats, or one chat and the server)...
 KV_CONTEXTS = 4
 # ...held to this share of the memory left once the weights and working memory are counted.
@@ -286,15 +289,20 @@ class ModelRunner:
         """Each asking request's prompt tokens scored by the positions before them in this chunk."""
         out = {}
         for req, first_row, first_position, targets in step.prompt_rows:
-            rows = torch.arange(first_row, first_row + len(targets), device=hidden.device)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
-            chosen = logprobs.gather(1, torch.tensor(targets, device=hidden.device)[:, None])[:, 0].tolist()
-            top_n = req.params.prompt_logprobs
-            tops: list[list[tuple[int, float]]] = [[] for _ in targets]
-            if top_n:
-                values, ids = logprobs.topk(top_n, dim=-1)
-                tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-            out[req.request_id] = (first_position, [TokenLogprobs(c, t) for c, t in zip(chosen, tops)])
+            scored: list[TokenLogprobs] = []
+            # A slice of rows at a time: a whole chunk's logits over a 150k vocabulary would be GBs.
+            for at in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                part = targets[at : at + PROMPT_LOGPROB_ROWS]
+                rows = torch.arange(first_row + at, first_row + at + len(part), device=hidden.device)
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+                chosen = logprobs.gather(1, torch.tensor(part, device=hidden.device)[:, None])[:, 0].tolist()
+                top_n = req.params.prompt_logprobs
+                tops: list[list[tuple[int, float]]] = [[] for _ in part]
+                if top_n:
+                    values, ids = logprobs.topk(top_n, dim=-1)
+                    tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+                scored += [TokenLogprobs(c, t) for c, t in zip(chosen, tops)]
+            out[req.request_id] = (first_position, scored)
         return out
 
     @torch.inference_mode()

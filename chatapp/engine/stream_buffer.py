@@ -32,6 +32,7 @@ def merge(earlier: EngineCoreOutput, later: EngineCoreOutput) -> EngineCoreOutpu
         earlier.num_prompt_tokens or later.num_prompt_tokens,
         earlier.num_cached_tokens or later.num_cached_tokens,
         later.error,
+        earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs,
     )
 
 

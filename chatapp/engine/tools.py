@@ -36,9 +36,45 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+def mistral_call_id() -> str:
+    """Mistral's templates take only 9-character alphanumeric call ids."""
+    return uuid.uuid4().hex[:9]
+
+
+def _hoist_definitions(parameters: dict[str, Any], prefix: str, into: dict[str, Any]) -> dict[str, Any]:
+    """A tool's ``$defs``/``definitions`` moved into ``into`` (renamed ``prefix + name``) and its
+    ``#/$defs/...`` references rewritten: nested under a call's arguments, the schema's own root
+    is no longer the document's root (pydantic models with nested models use these)."""
+    local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    if not local:
+        return parameters
+    for name, schema in local.items():
+        into[prefix + name] = schema
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {
+                k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions") or node is not parameters
+            }
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                for root in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(root):
+                        out["$ref"] = "#/$defs/" + prefix + ref[len(root) :]
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for name in local:
+        into[prefix + name] = rewrite(into[prefix + name])
+    return rewrite(parameters)
+
+
+def _call_schema(tool: dict[str, Any], arguments_key: str, definitions: dict[str, Any]) -> dict[str, Any]:
     fn = tool["function"]
     parameters = fn.get("parameters") or {"type": "object", "properties": {}}
+    parameters = _hoist_definitions(parameters, f"{fn['name']}__", definitions)
     return {
         "type": "object",
         "properties": {"name": {"const": fn["name"]}, arguments_key: parameters},
@@ -48,8 +84,10 @@ def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
 
 
 def _calls_schema(tools: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
-    schemas = [_call_schema(t, arguments_key) for t in tools]
-    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    definitions: dict[str, Any] = {}
+    schemas = [_call_schema(t, arguments_key, definitions) for t in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {**schema, "$defs": definitions} if definitions else schema
 
 
 # Parallel calls in one answer, at most: small models otherwise repeat a call until max_tokens.
@@ -76,7 +114,7 @@ class ToolFormat:
 
     name = ""
     marker = ""  # what opens the calls in an answer (text before it is the answer's content)
-    skip_special_tokens = True  # False where the marker is a special token (it must reach the parser)
+    bare_starts: tuple[str, ...] = ()  # how an answer that is nothing but calls may begin
 
     def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) for the answer: tool calls only (required, or a named
@@ -121,6 +159,7 @@ class HermesFormat(ToolFormat):
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     marker = "<|python_tag|>"
+    bare_starts = ("{", "<|python_tag|>")
 
     def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
         start = "start: calls" if required else "start: TEXT | calls"
@@ -148,8 +187,8 @@ class Llama3JsonFormat(ToolFormat):
 
 class MistralFormat(ToolFormat):
     name = "mistral"
-    marker = "[TOOL_CALLS]"
-    skip_special_tokens = False
+    marker = "[TOOL_CALLS]"  # a special token: decoded text usually lacks it, the bare list remains
+    bare_starts = ("[{", "[TOOL_CALLS]")
 
     def grammar(self, tools: list[dict[str, Any]], *, required: bool, parallel: bool) -> str:
         items = {
@@ -165,17 +204,21 @@ class MistralFormat(ToolFormat):
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         at = text.find(self.marker)
-        if at < 0:
+        if at >= 0:
+            content, body = text[:at].strip(), text[at + len(self.marker) :].strip()
+        elif text.lstrip().startswith("[{"):
+            content, body = "", text.strip()
+        else:
             return text, []
         try:
-            items = json.loads(text[at + len(self.marker) :].strip())
+            items, _end = json.JSONDecoder().raw_decode(body)  # anything after the list (an end token) ignored
         except json.JSONDecodeError:
             return text, []
         items = items if isinstance(items, list) else [items]
-        calls = [_call_from_obj(item, "arguments") for item in items]
+        calls = [_call_from_obj(item, "arguments", mistral_call_id) for item in items]
         if not calls or any(c is None for c in calls):
             return text, []
-        return text[:at].strip(), _unique(calls)
+        return content, _unique(calls)
 
 
 def _unique(calls: list[ToolCall]) -> list[ToolCall]:
@@ -212,7 +255,7 @@ def _call_from_json(text: str, arguments_key: str) -> ToolCall | None:
         return None
 
 
-def _call_from_obj(obj: Any, arguments_key: str) -> ToolCall | None:
+def _call_from_obj(obj: Any, arguments_key: str, make_id: Any = new_call_id) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get(arguments_key, {})
@@ -223,7 +266,7 @@ def _call_from_obj(obj: Any, arguments_key: str) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False), new_call_id())
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False), make_id())
 
 
 HERMES, LLAMA3_JSON, MISTRAL = HermesFormat(), Llama3JsonFormat(), MistralFormat()
@@ -255,6 +298,13 @@ def fallback_system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
+def _flat_text(content: Any) -> str:
+    """A message's text: a string, or its text parts joined (other parts are refused elsewhere)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
+
+
 def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A conversation with tools for a template that knows none: the tools described in the system
     prompt, earlier calls written out in our (Hermes) format, tool results as user turns."""
@@ -273,12 +323,10 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
                         pass  # normalize_messages names the bad one
                 body = json.dumps({"name": fn.get("name"), "arguments": arguments}, ensure_ascii=False)
                 blocks.append(f"<tool_call>\n{body}\n</tool_call>")
-            text = message.get("content") or ""
+            text = _flat_text(message.get("content"))
             out.append({"role": "assistant", "content": "\n".join(([text] if text else []) + blocks)})
         elif role == "tool":
-            content = message.get("content") or ""
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content = _flat_text(message.get("content"))
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         else:
             out.append(message)
@@ -306,13 +354,13 @@ class CallSplitter:
         self._held += text
         if self._in_calls:
             return ""
-        if isinstance(self.fmt, Llama3JsonFormat) and self._released == 0:
+        if self.fmt.bare_starts and self._released == 0:  # calls written as the whole answer
             stripped = self._held.lstrip()
-            if not stripped:
-                return ""
-            if stripped.startswith(("{", "<|")):  # Llama 3 writes calls as the whole answer
+            if any(stripped.startswith(b) for b in self.fmt.bare_starts):
                 self._in_calls = True
                 return ""
+            if not stripped or any(b.startswith(stripped) for b in self.fmt.bare_starts):
+                return ""  # too short to tell yet
         marker = self.fmt.marker
         at = self._held.find(marker, self._released)
         if at >= 0:

@@ -122,7 +122,6 @@ def sampling_params(
     logprobs: int | None,
     renames: dict[str, str] | None = None,
     guided: GuidedDecoding | None = None,
-    skip_special_tokens: bool = True,
     prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     """One SamplingParams per choice; with a seed, choice i uses seed + i so the choices differ.
@@ -148,7 +147,6 @@ def sampling_params(
         logit_bias=parse_logit_bias(body.logit_bias, vocab_size),
         ignore_eos=bool(body.ignore_eos),
         guided=_one_grammar(guided, guided_decoding(body)),
-        skip_special_tokens=skip_special_tokens,
         prompt_logprobs=prompt_logprobs,
     )
     try:

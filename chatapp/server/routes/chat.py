@@ -82,7 +82,6 @@ async def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJ
     params = gen.sampling_params(
         body,
         guided=plan.guided() if plan else None,
-        skip_special_tokens=plan.fmt.skip_special_tokens if plan else True,
         n=n,
         vocab_size=info.vocab_size,
         max_tokens=max_tokens,

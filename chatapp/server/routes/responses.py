@@ -234,6 +234,19 @@ async def _events(out: _Output, streams: gen.ChoiceStreams) -> AsyncIterator[dic
     yield {"type": "response.created", "response": out.response("in_progress", [])}
     yield {"type": "response.in_progress", "response": out.response("in_progress", [])}
 
+    def close_reasoning() -> list[dict[str, Any]]:
+        """The reasoning item, whole, once the think block has ended (it precedes the answer)."""
+        nonlocal reasoning
+        if not reasoning:
+            return []
+        item, reasoning = _reasoning_item(reasoning), ""
+        index = len(items)
+        items.append(item)
+        return [
+            {"type": "response.output_item.added", "output_index": index, "item": item},
+            {"type": "response.output_item.done", "output_index": index, "item": item},
+        ]
+
     def open_text() -> list[dict[str, Any]]:
         nonlocal text_item
         text_item = _message_item("", "in_progress")
@@ -285,7 +298,7 @@ async def _events(out: _Output, streams: gen.ChoiceStreams) -> AsyncIterator[dic
             reasoning += fields.get("reasoning_content", "")
             if fields.get("content"):
                 if text_item is None:
-                    for event in open_text():
+                    for event in close_reasoning() + open_text():
                         yield event
                 text += fields["content"]
                 yield {
@@ -299,19 +312,20 @@ async def _events(out: _Output, streams: gen.ChoiceStreams) -> AsyncIterator[dic
                 gen.check_finish(delta)
                 rest, calls = splitter.finish()
                 reasoning += rest.get("reasoning_content", "")
-                if rest.get("content"):
+                if rest.get("content") or (text_item is None and not calls):  # an empty answer: still a message
                     if text_item is None:
-                        for event in open_text():
+                        for event in close_reasoning() + open_text():
                             yield event
-                    text += rest["content"]
-                    yield {
-                        "type": "response.output_text.delta",
-                        "item_id": text_item["id"],
-                        "output_index": items.index(text_item),
-                        "content_index": 0,
-                        "delta": rest["content"],
-                    }
-                for event in close_text():
+                    if rest.get("content"):
+                        text += rest["content"]
+                        yield {
+                            "type": "response.output_text.delta",
+                            "item_id": text_item["id"],
+                            "output_index": items.index(text_item),
+                            "content_index": 0,
+                            "delta": rest["content"],
+                        }
+                for event in close_text() + close_reasoning():
                     yield event
                 for call in calls:
                     call_item = _call_item(call.to_openai())
@@ -335,8 +349,6 @@ async def _events(out: _Output, streams: gen.ChoiceStreams) -> AsyncIterator[dic
                         "arguments": call_item["arguments"],
                     }
                     yield {"type": "response.output_item.done", "output_index": index, "item": call_item}
-                if reasoning:
-                    items.insert(0, _reasoning_item(reasoning))
                 length = delta.finish_reason == "length"
                 final = out.response(
                     "incomplete" if length else "completed",

@@ -44,7 +44,8 @@ class MessageView(Vertical):
 
     def _thinking(self, text: str) -> Collapsible:
         """The think block, folded under a title (Enter or a click opens it)."""
-        return Collapsible(Static(text, classes="thinking-text"), title="Thinking", classes="message-thinking")
+        text_view = Static(text, classes="thinking-text", markup=False)  # model text: no console markup
+        return Collapsible(text_view, title="Thinking", classes="message-thinking")
 
     async def add_thinking(self, text: str) -> None:
         """Append streamed reasoning, folding it in above the answer the first time."""
