@@ -31,3 +31,24 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def bundled_server(tmp_path_factory: pytest.TempPathFactory):
+    """The bundled model behind a keyless OpenAI-compatible server, one per test module that asks."""
+    from tests.server_harness import ServedEngine
+
+    with ServedEngine(tmp_path_factory.mktemp("runtime"), {"kv_cache_memory_gib": 0.25}) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def bundled_sdk(bundled_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{bundled_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def bundled_model(bundled_server) -> str:
+    return bundled_server.client.model_info.name

@@ -28,28 +28,12 @@ WEATHER_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> ServedEngine:
-    with ServedEngine(tmp_path_factory.mktemp("runtime"), {"kv_cache_memory_gib": 0.25}) as se:
-        yield se
-
-
-@pytest.fixture(scope="module")
-def sdk(served: ServedEngine) -> OpenAI:
-    return OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(served: ServedEngine) -> str:
-    return served.client.model_info.name
-
-
-def test_text_in_text_out_matches_chat(sdk: OpenAI, model: str) -> None:
-    response = sdk.responses.create(
-        model=model, instructions="Answer briefly.", input="What is 2 + 2?", temperature=0, max_output_tokens=24
+def test_text_in_text_out_matches_chat(bundled_sdk: OpenAI, bundled_model: str) -> None:
+    response = bundled_sdk.responses.create(
+        model=bundled_model, instructions="Answer briefly.", input="What is 2 + 2?", temperature=0, max_output_tokens=24
     )
-    chat = sdk.chat.completions.create(
-        model=model,
+    chat = bundled_sdk.chat.completions.create(
+        model=bundled_model,
         messages=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}],
         temperature=0,
         max_tokens=24,
@@ -61,10 +45,10 @@ def test_text_in_text_out_matches_chat(sdk: OpenAI, model: str) -> None:
     assert response.usage.output_tokens == chat.usage.completion_tokens
 
 
-def test_streamed_events_build_the_same_text(sdk: OpenAI, model: str) -> None:
-    args = dict(model=model, input="Name three colours.", temperature=0, max_output_tokens=20)
-    whole = sdk.responses.create(**args)
-    events = list(sdk.responses.create(stream=True, **args))
+def test_streamed_events_build_the_same_text(bundled_sdk: OpenAI, bundled_model: str) -> None:
+    args = dict(model=bundled_model, input="Name three colours.", temperature=0, max_output_tokens=20)
+    whole = bundled_sdk.responses.create(**args)
+    events = list(bundled_sdk.responses.create(stream=True, **args))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] in ("response.completed", "response.incomplete")
@@ -76,13 +60,13 @@ def test_streamed_events_build_the_same_text(sdk: OpenAI, model: str) -> None:
     assert events[-1].response.output_text == whole.output_text
 
 
-def test_structured_output_with_parse(sdk: OpenAI, model: str) -> None:
+def test_structured_output_with_parse(bundled_sdk: OpenAI, bundled_model: str) -> None:
     class Answer(BaseModel):
         answer: str
         confidence: Literal["low", "high"]
 
-    parsed = sdk.responses.parse(
-        model=model,
+    parsed = bundled_sdk.responses.parse(
+        model=bundled_model,
         input='Return a JSON object with the key "answer" holding the capital of France.',
         text_format=Answer,
         temperature=0,
@@ -92,9 +76,9 @@ def test_structured_output_with_parse(sdk: OpenAI, model: str) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_function_call_and_its_output_round_trip(sdk: OpenAI, model: str, stream: bool) -> None:
+def test_a_function_call_and_its_output_round_trip(bundled_sdk: OpenAI, bundled_model: str, stream: bool) -> None:
     args = dict(
-        model=model,
+        model=bundled_model,
         input="What's the weather in Paris?",
         tools=[WEATHER_TOOL],
         tool_choice="required",
@@ -102,16 +86,16 @@ def test_a_function_call_and_its_output_round_trip(sdk: OpenAI, model: str, stre
         max_output_tokens=60,
     )
     if stream:
-        events = list(sdk.responses.create(stream=True, **args))
+        events = list(bundled_sdk.responses.create(stream=True, **args))
         assert "response.function_call_arguments.done" in [e.type for e in events]
         response = events[-1].response
     else:
-        response = sdk.responses.create(**args)
+        response = bundled_sdk.responses.create(**args)
     calls = [item for item in response.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert isinstance(json.loads(calls[0].arguments)["city"], str)
-    follow_up = sdk.responses.create(
-        model=model,
+    follow_up = bundled_sdk.responses.create(
+        model=bundled_model,
         input=[
             {"role": "user", "content": "What's the weather in Paris?"},
             {
@@ -140,10 +124,10 @@ def test_a_function_call_and_its_output_round_trip(sdk: OpenAI, model: str, stre
     ],
 )
 def test_what_is_not_supported_is_a_400_naming_it(
-    sdk: OpenAI, model: str, served: ServedEngine, extra: dict, param: str
+    bundled_sdk: OpenAI, bundled_model: str, bundled_server: ServedEngine, extra: dict, param: str
 ) -> None:
     body = {"input": "hi", **extra}
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.responses.create(model=model, max_output_tokens=4, extra_body=body)
+        bundled_sdk.responses.create(model=bundled_model, max_output_tokens=4, extra_body=body)
     assert info.value.param == param, info.value.message
-    assert idle(served.stats())
+    assert idle(bundled_server.stats())

@@ -153,31 +153,15 @@ def test_a_schema_crosses_the_process_boundary_whole() -> None:
 # -- the OpenAI port ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> ServedEngine:
-    with ServedEngine(tmp_path_factory.mktemp("runtime"), {"kv_cache_memory_gib": 0.25}) as se:
-        yield se
-
-
-@pytest.fixture(scope="module")
-def sdk(served: ServedEngine) -> OpenAI:
-    return OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(served: ServedEngine) -> str:
-    return served.client.model_info.name
-
-
 class Weather(BaseModel):
     city: str
     temperature: int
     unit: Literal["celsius", "fahrenheit"]
 
 
-def test_sdk_parse_returns_the_pydantic_object(sdk: OpenAI, model: str) -> None:
-    completion = sdk.chat.completions.parse(
-        model=model, messages=ASK, response_format=Weather, temperature=0, max_completion_tokens=64
+def test_sdk_parse_returns_the_pydantic_object(bundled_sdk: OpenAI, bundled_model: str) -> None:
+    completion = bundled_sdk.chat.completions.parse(
+        model=bundled_model, messages=ASK, response_format=Weather, temperature=0, max_completion_tokens=64
     )
     parsed = completion.choices[0].message.parsed
     assert isinstance(parsed, Weather), completion.choices[0].message.content
@@ -185,9 +169,9 @@ def test_sdk_parse_returns_the_pydantic_object(sdk: OpenAI, model: str) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_json_object_output_parses(sdk: OpenAI, model: str, stream: bool) -> None:
+def test_json_object_output_parses(bundled_sdk: OpenAI, bundled_model: str, stream: bool) -> None:
     args = dict(
-        model=model,
+        model=bundled_model,
         messages=CAPITAL,
         response_format={"type": "json_object"},
         temperature=0.8,
@@ -195,28 +179,35 @@ def test_json_object_output_parses(sdk: OpenAI, model: str, stream: bool) -> Non
         max_tokens=80,
     )
     if stream:
-        text = "".join(c.choices[0].delta.content or "" for c in sdk.chat.completions.create(stream=True, **args))
+        text = "".join(
+            c.choices[0].delta.content or "" for c in bundled_sdk.chat.completions.create(stream=True, **args)
+        )
     else:
-        text = sdk.chat.completions.create(**args).choices[0].message.content
+        text = bundled_sdk.chat.completions.create(**args).choices[0].message.content
     assert isinstance(json.loads(text), dict), text
 
 
-def test_json_schema_streamed_and_whole_agree(sdk: OpenAI, model: str) -> None:
+def test_json_schema_streamed_and_whole_agree(bundled_sdk: OpenAI, bundled_model: str) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
-    args = dict(model=model, messages=ASK, response_format=fmt, temperature=0, max_tokens=64)
-    whole = sdk.chat.completions.create(**args).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in sdk.chat.completions.create(stream=True, **args))
+    args = dict(model=bundled_model, messages=ASK, response_format=fmt, temperature=0, max_tokens=64)
+    whole = bundled_sdk.chat.completions.create(**args).choices[0].message.content
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in bundled_sdk.chat.completions.create(stream=True, **args)
+    )
     assert_weather(whole)
     assert streamed == whole
 
 
-def test_vllm_guided_fields_on_both_endpoints(sdk: OpenAI, model: str) -> None:
-    chat = sdk.chat.completions.create(
-        model=model, messages=ASK, max_tokens=8, extra_body={"guided_choice": ["sunny", "rainy"]}
+def test_vllm_guided_fields_on_both_endpoints(bundled_sdk: OpenAI, bundled_model: str) -> None:
+    chat = bundled_sdk.chat.completions.create(
+        model=bundled_model, messages=ASK, max_tokens=8, extra_body={"guided_choice": ["sunny", "rainy"]}
     )
     assert chat.choices[0].message.content in ("sunny", "rainy")
-    text = sdk.completions.create(
-        model=model, prompt="The year the moon landing happened:", max_tokens=8, extra_body={"guided_regex": r" ?\d{4}"}
+    text = bundled_sdk.completions.create(
+        model=bundled_model,
+        prompt="The year the moon landing happened:",
+        max_tokens=8,
+        extra_body={"guided_regex": r" ?\d{4}"},
     )
     assert re.fullmatch(r" ?\d{4}", text.choices[0].text), text.choices[0].text
 
@@ -237,12 +228,12 @@ def test_vllm_guided_fields_on_both_endpoints(sdk: OpenAI, model: str) -> None:
     ],
 )
 def test_a_bad_structure_is_a_400_naming_it(
-    sdk: OpenAI, model: str, served: ServedEngine, extra: dict, param: str, message: str
+    bundled_sdk: OpenAI, bundled_model: str, bundled_server: ServedEngine, extra: dict, param: str, message: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=extra)
+        bundled_sdk.chat.completions.create(model=bundled_model, messages=ASK, max_tokens=4, extra_body=extra)
     assert info.value.param == param and message in info.value.message, info.value.message
-    assert idle(served.stats())
+    assert idle(bundled_server.stats())
 
 
 @pytest.mark.parametrize("blocked_share", [0.02, 0.98])

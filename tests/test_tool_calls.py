@@ -211,22 +211,6 @@ def test_a_template_that_knows_tools_renders_them_and_the_calls(tmp_path: Path) 
 # -- the OpenAI port (the bundled model: our fallback format) -----------------------------------
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> ServedEngine:
-    with ServedEngine(tmp_path_factory.mktemp("runtime"), {"kv_cache_memory_gib": 0.25}) as se:
-        yield se
-
-
-@pytest.fixture(scope="module")
-def sdk(served: ServedEngine) -> OpenAI:
-    return OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(served: ServedEngine) -> str:
-    return served.client.model_info.name
-
-
 ASK = [{"role": "user", "content": "What is the weather in Paris right now, in celsius?"}]
 
 
@@ -245,9 +229,9 @@ def _streamed_calls(stream) -> tuple[str, list[tuple[str, str]], str | None]:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("parallel", [True, False])
-def test_required_gives_valid_calls(sdk: OpenAI, model: str, stream: bool, parallel: bool) -> None:
+def test_required_gives_valid_calls(bundled_sdk: OpenAI, bundled_model: str, stream: bool, parallel: bool) -> None:
     args = dict(
-        model=model,
+        model=bundled_model,
         messages=ASK,
         tools=TOOLS,
         tool_choice="required",
@@ -257,9 +241,9 @@ def test_required_gives_valid_calls(sdk: OpenAI, model: str, stream: bool, paral
         max_tokens=120,
     )
     if stream:
-        content, calls, finish = _streamed_calls(sdk.chat.completions.create(stream=True, **args))
+        content, calls, finish = _streamed_calls(bundled_sdk.chat.completions.create(stream=True, **args))
     else:
-        reply = sdk.chat.completions.create(**args).choices[0]
+        reply = bundled_sdk.chat.completions.create(**args).choices[0]
         content, finish = reply.message.content, reply.finish_reason
         calls = [(c.function.name, c.function.arguments) for c in reply.message.tool_calls or []]
     assert finish == "tool_calls" and not content, (finish, content)
@@ -268,9 +252,9 @@ def test_required_gives_valid_calls(sdk: OpenAI, model: str, stream: bool, paral
         check_call(name, arguments)
 
 
-def test_a_named_function_is_the_one_called(sdk: OpenAI, model: str) -> None:
-    reply = sdk.chat.completions.create(
-        model=model,
+def test_a_named_function_is_the_one_called(bundled_sdk: OpenAI, bundled_model: str) -> None:
+    reply = bundled_sdk.chat.completions.create(
+        model=bundled_model,
         messages=ASK,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_time"}},
@@ -283,9 +267,9 @@ def test_a_named_function_is_the_one_called(sdk: OpenAI, model: str) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_auto_answers_in_words_or_in_valid_calls(sdk: OpenAI, model: str, seed: int) -> None:
-    reply = sdk.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=60
+def test_auto_answers_in_words_or_in_valid_calls(bundled_sdk: OpenAI, bundled_model: str, seed: int) -> None:
+    reply = bundled_sdk.chat.completions.create(
+        model=bundled_model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=60
     ).choices[0]
     if reply.message.tool_calls:
         assert reply.finish_reason == "tool_calls"
@@ -295,9 +279,11 @@ def test_auto_answers_in_words_or_in_valid_calls(sdk: OpenAI, model: str, seed: 
         assert reply.message.content and not reply.message.content.lstrip().startswith("<tool_call>")
 
 
-def test_a_tool_result_continues_the_conversation(sdk: OpenAI, model: str, served: ServedEngine) -> None:
-    first = sdk.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=80
+def test_a_tool_result_continues_the_conversation(
+    bundled_sdk: OpenAI, bundled_model: str, bundled_server: ServedEngine
+) -> None:
+    first = bundled_sdk.chat.completions.create(
+        model=bundled_model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=80
     ).choices[0]
     call = first.message.tool_calls[0]
     messages = [
@@ -305,17 +291,19 @@ def test_a_tool_result_continues_the_conversation(sdk: OpenAI, model: str, serve
         first.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "22 degrees celsius and sunny"},
     ]
-    answer = sdk.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=40).choices[0]
+    answer = bundled_sdk.chat.completions.create(
+        model=bundled_model, messages=messages, tools=TOOLS, max_tokens=40
+    ).choices[0]
     assert answer.message.content and not answer.message.tool_calls or answer.finish_reason == "tool_calls"
     # The result was in the prompt the model read.
-    prompt = served.client.tokenizer.render_chat(fallback_messages(messages, TOOLS))
-    assert "22 degrees celsius and sunny" in served.client.tokenizer.decode(prompt)
+    prompt = bundled_server.client.tokenizer.render_chat(fallback_messages(messages, TOOLS))
+    assert "22 degrees celsius and sunny" in bundled_server.client.tokenizer.decode(prompt)
 
 
-def test_tool_choice_none_ignores_the_tools(sdk: OpenAI, model: str) -> None:
-    args = dict(model=model, messages=ASK, temperature=0, max_tokens=16)
-    plain = sdk.chat.completions.create(**args).choices[0].message.content
-    with_tools = sdk.chat.completions.create(tools=TOOLS, tool_choice="none", **args).choices[0].message
+def test_tool_choice_none_ignores_the_tools(bundled_sdk: OpenAI, bundled_model: str) -> None:
+    args = dict(model=bundled_model, messages=ASK, temperature=0, max_tokens=16)
+    plain = bundled_sdk.chat.completions.create(**args).choices[0].message.content
+    with_tools = bundled_sdk.chat.completions.create(tools=TOOLS, tool_choice="none", **args).choices[0].message
     assert with_tools.content == plain and not with_tools.tool_calls
 
 
@@ -334,12 +322,12 @@ def test_tool_choice_none_ignores_the_tools(sdk: OpenAI, model: str) -> None:
     ],
 )
 def test_bad_tool_requests_are_400s_naming_the_field(
-    sdk: OpenAI, model: str, served: ServedEngine, extra: dict, param: str
+    bundled_sdk: OpenAI, bundled_model: str, bundled_server: ServedEngine, extra: dict, param: str
 ) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=extra)
+        bundled_sdk.chat.completions.create(model=bundled_model, messages=ASK, max_tokens=4, extra_body=extra)
     assert info.value.param == param, info.value.message
-    assert idle(served.stats())
+    assert idle(bundled_server.stats())
 
 
 def test_a_repeated_call_is_kept_once_and_calls_are_capped(compiler: GrammarCompiler) -> None:

@@ -263,6 +263,16 @@ async def _events(out: _Output, streams: gen.ChoiceStreams) -> AsyncIterator[dic
             },
         ]
 
+    def text_delta(delta: str) -> dict[str, Any]:
+        assert text_item is not None
+        return {
+            "type": "response.output_text.delta",
+            "item_id": text_item["id"],
+            "output_index": items.index(text_item),
+            "content_index": 0,
+            "delta": delta,
+        }
+
     def close_text() -> list[dict[str, Any]]:
         nonlocal text_item
         if text_item is None:
@@ -301,13 +311,7 @@ async def _events(out: _Output, streams: gen.ChoiceStreams) -> AsyncIterator[dic
                     for event in close_reasoning() + open_text():
                         yield event
                 text += fields["content"]
-                yield {
-                    "type": "response.output_text.delta",
-                    "item_id": text_item["id"],
-                    "output_index": items.index(text_item),
-                    "content_index": 0,
-                    "delta": fields["content"],
-                }
+                yield text_delta(fields["content"])
             if delta.finished:
                 gen.check_finish(delta)
                 rest, calls = splitter.finish()
@@ -318,13 +322,7 @@ async def _events(out: _Output, streams: gen.ChoiceStreams) -> AsyncIterator[dic
                             yield event
                     if rest.get("content"):
                         text += rest["content"]
-                        yield {
-                            "type": "response.output_text.delta",
-                            "item_id": text_item["id"],
-                            "output_index": items.index(text_item),
-                            "content_index": 0,
-                            "delta": rest["content"],
-                        }
+                        yield text_delta(rest["content"])
                 for event in close_text() + close_reasoning():
                     yield event
                 for call in calls:
