@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False, device=device)
         self.max_positions = max_positions
         self.rope: RotaryEmbedding | None = None
-        self.quantized_lm_head: nn.Module | None = None  # set by quantize_int8 or quantize_blocks
+        self.quantized_lm_head: nn.Module | None = None  # set by the load quantizer (int8 or int4) or the GGUF loader
 
     def build_rope(self, dtype: torch.dtype, device: torch.device) -> None:
         mc = self.config
