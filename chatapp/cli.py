@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +39,7 @@ def add_engine_options(parser: argparse.ArgumentParser, default: object = None) 
     )
 
 
-def _positive(kind: type) -> object:
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     def parse(text: str) -> int | float:
         try:
             value = kind(text)

@@ -217,7 +217,8 @@ def count_safetensors(files: list[Path]) -> tuple[int, str | None]:
     """(parameter count, dtype of most tensors) from the files' headers; no tensor data is read."""
     from safetensors import safe_open
 
-    total, by_dtype = 0, {}
+    total = 0
+    by_dtype: dict[str, int] = {}
     for path in files:
         with safe_open(str(path), framework="np") as f:
             for name in f.keys():
@@ -228,7 +229,7 @@ def count_safetensors(files: list[Path]) -> tuple[int, str | None]:
                 total += n
                 dtype = tensor.get_dtype().lower()
                 by_dtype[dtype] = by_dtype.get(dtype, 0) + n
-    main = max(by_dtype, key=by_dtype.get) if by_dtype else None
+    main = max(by_dtype, key=lambda d: by_dtype[d]) if by_dtype else None
     return total, {"f32": "f32", "f16": "f16", "bf16": "bf16"}.get(main or "", main)
 
 

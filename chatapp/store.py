@@ -24,6 +24,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -360,7 +361,7 @@ class Removal:
     summary: str  # one line saying exactly what goes
     deletes_files: bool  # True: ask the user first
     freed_bytes: int
-    _actions: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _actions: list[Callable[[], object]] = field(default_factory=list, repr=False)
 
     def execute(self) -> None:
         for action in self._actions:
@@ -380,9 +381,9 @@ def plan_removal(model: LocalModel) -> Removal:
     conversions = _existing_conversions(model)
     conv_bytes = sum(_dir_size(d) for d in conversions)
     conv_note = f", and its cached files in the chatapp cache ({_fmt(conv_bytes)})" if conversions else ""
-    actions: list[Callable[[], None]] = [lambda d=d: shutil.rmtree(d, ignore_errors=True) for d in conversions]
+    actions: list[Callable[[], object]] = [partial(shutil.rmtree, d, ignore_errors=True) for d in conversions]
     if model.source in ("directory", "gguf"):
-        actions.insert(0, lambda: forget_path(model.path))
+        actions.insert(0, partial(forget_path, model.path))
         return Removal(
             model, f"forget {model.path} (its files stay where they are){conv_note}", False, conv_bytes, actions
         )

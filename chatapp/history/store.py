@@ -84,6 +84,14 @@ def _reason(exc: sqlite3.Error) -> str:
     return str(exc)
 
 
+def _inserted_id(cursor: sqlite3.Cursor) -> int:
+    """The row id an INSERT just made (sqlite3 types it Optional for statements that insert nothing)."""
+    row_id = cursor.lastrowid
+    if row_id is None:
+        raise HistoryError("the database did not report the new row's id")
+    return row_id
+
+
 def _check_choice(value: str, allowed: tuple[str, ...], what: str) -> None:
     if value not in allowed:
         raise ValueError(f"{what} must be one of {', '.join(allowed)}; got {value!r}")
@@ -427,7 +435,7 @@ class HistoryStore:
                     backend.api_key,
                 ),
             )
-            return self._get_session(conn, cursor.lastrowid)
+            return self._get_session(conn, _inserted_id(cursor))
 
     def get_session(self, session_id: int) -> Session:
         with self._read() as conn:
@@ -537,7 +545,7 @@ class HistoryStore:
                 "VALUES (?,?,?,?,?,?,?,?)",
                 (session_id, parent_id, role, content, status, now, model, writer),
             )
-            message_id = cursor.lastrowid
+            message_id = _inserted_id(cursor)
             selected = ", selected_leaf_id = ?" if select else ""
             conn.execute(
                 f"UPDATE sessions SET updated_at = ?{selected} WHERE id = ?",
@@ -819,7 +827,7 @@ class HistoryStore:
                     session["archived"],
                 ),
             )
-            new_session = cursor.lastrowid
+            new_session = _inserted_id(cursor)
             new_ids: dict[Any, int] = {}
             for old_id, m in messages:  # parents come before their replies (checked by _parse_export)
                 cursor = conn.execute(
@@ -841,7 +849,7 @@ class HistoryStore:
                         m["error"],
                     ),
                 )
-                new_ids[old_id] = cursor.lastrowid
+                new_ids[old_id] = _inserted_id(cursor)
             conn.execute("UPDATE sessions SET selected_leaf_id = ? WHERE id = ?", (new_ids.get(selected), new_session))
             return self._get_session(conn, new_session)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -30,7 +31,7 @@ def create_app(
     """
     # With a key, every route but /health needs it, the API's description included; the browsable
     # docs pages go (a browser cannot send the key to fetch the description they show).
-    docs = {} if not api_key else {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    docs: dict[str, Any] = {} if not api_key else {"openapi_url": None, "docs_url": None, "redoc_url": None}
     app = FastAPI(
         title="chatapp", version=__version__, description="A local OpenAI-compatible API on chatapp's engine.", **docs
     )

@@ -160,7 +160,7 @@ def _json_error(request: Request, exc: RequestValidationError, error: dict[str, 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return bad_request(_json_error(request, exc, first), None).response()
     if tuple(first.get("loc", ())) == ("body",):  # the body as a whole
@@ -207,7 +207,8 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 
 def install_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
+    # FastAPI's decorator form: Starlette's add_exception_handler types its handlers as taking any Exception.
+    app.exception_handler(APIError)(_api_error)
+    app.exception_handler(RequestValidationError)(_validation_error)
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    app.exception_handler(Exception)(_unexpected)

@@ -133,7 +133,7 @@ def sampling_params(
     stop = body.stop
     if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
-    common = dict(
+    common: dict[str, Any] = dict(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=-1 if body.top_k is None else body.top_k,

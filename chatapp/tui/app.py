@@ -360,7 +360,7 @@ class ChatApp(App[None]):
             await self._poll_engine()
             return
         try:
-            from chatapp.server import start_server  # type: ignore[import-not-found]
+            from chatapp.server import start_server
         except ImportError:
             self.notify("The API server is not part of this build.", severity="error")
             return

@@ -151,7 +151,7 @@ class Conversation:
         self.leaf = self.newest_leaf(sibs[index])
         return sibs[index]
 
-    def chat_messages(self, system_prompt: str, upto: Node) -> list[dict[str, str]]:
+    def chat_messages(self, system_prompt: str, upto: Node | None) -> list[dict[str, str]]:
         """OpenAI-style messages for the path ending at ``upto`` (the prompt of a new answer)."""
         chain: list[Node] = []
         node: Node | None = upto

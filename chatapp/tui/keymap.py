@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 from chatapp.settings import DEFAULT_KEYS as SETTINGS_DEFAULTS
 
@@ -66,7 +66,7 @@ ACTIONS: tuple[Action, ...] = (
 BY_NAME: Mapping[str, Action] = {a.name: a for a in ACTIONS}
 
 
-def bindings(scope: Scope) -> list[Binding]:
+def bindings(scope: Scope) -> list[BindingType]:
     """Textual bindings for one scope; ``priority`` so a focused text box cannot swallow them."""
     return [
         Binding(a.default, a.action, a.description, show=False, priority=True, id=a.name)

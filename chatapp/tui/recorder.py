@@ -107,18 +107,18 @@ class Recorder:
 
     def update_partial(self, session_id: int | None, node: Node) -> None:
         """The streaming answer's text so far; saves the answer first if its start was never saved."""
-        if not self.save(session_id, node, streaming=True):
+        if not self.save(session_id, node, streaming=True) or self.store is None or node.db_id is None:
             return
-        self._call(self.store.update_partial, node.db_id, node.content)  # type: ignore[union-attr]
+        self._call(self.store.update_partial, node.db_id, node.content)
 
     def finish(self, session_id: int | None, node: Node) -> None:
         """The answer's final text, status and metrics."""
-        if not self.save(session_id, node, streaming=True):
+        if not self.save(session_id, node, streaming=True) or self.store is None or node.db_id is None:
             return
         self._call(
             self.store.finish_message,
             node.db_id,
-            node.content,  # type: ignore[union-attr]
+            node.content,
             status=node.status if node.status != "streaming" else "complete",
             metrics=node.metrics or Metrics(),
             error=node.error,

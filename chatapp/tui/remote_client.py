@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import openai
+    from openai.types.chat import ChatCompletionMessageParam
 
 from chatapp.engine.api import EngineDeadError, InvalidRequestError
 from chatapp.engine.output_processor import OutputDelta
+from chatapp.engine.outputs import FinishReason
 from chatapp.engine.sampling_params import SamplingParams
 
 _ids = itertools.count(1)
@@ -64,7 +66,11 @@ class RemoteClient:
             kwargs["stop"] = list(params.stop_strings)
         try:
             stream = await self._client.chat.completions.create(
-                model=self.model, messages=messages, stream=True, stream_options={"include_usage": True}, **kwargs
+                model=self.model,
+                messages=cast("list[ChatCompletionMessageParam]", messages),
+                stream=True,
+                stream_options={"include_usage": True},
+                **kwargs,
             )
         except openai.BadRequestError as exc:
             raise InvalidRequestError(f"{self.base_url} refused the request: {_detail(exc)}") from None
@@ -75,7 +81,7 @@ class RemoteClient:
         self._streams[request_id] = stream
         n_out = 0
         prompt_tokens = 0
-        finish: str | None = None
+        finish: FinishReason | None = None
         try:
             async for chunk in stream:
                 if chunk.usage is not None:
@@ -87,12 +93,12 @@ class RemoteClient:
                         n_out += 1 if chunk.usage is None else 0
                         yield OutputDelta(request_id, text, [], None, False, None, None, prompt_tokens, n_out, 0)
                     if choice.finish_reason:
-                        finish = choice.finish_reason
+                        finish = _finish_reason(choice.finish_reason)
         except openai.APIError as exc:
             raise RemoteError(f"the stream from {self.base_url} broke off: {exc}") from None
         finally:
             self._streams.pop(request_id, None)
-        yield OutputDelta(request_id, "", [], None, True, finish or "abort", None, prompt_tokens, n_out, 0)
+        yield OutputDelta(request_id, "", [], None, True, finish or FinishReason.ABORT, None, prompt_tokens, n_out, 0)
 
     async def abort(self, request_id: str) -> None:
         """Close the HTTP stream: the server sees the disconnect and stops."""
@@ -111,3 +117,9 @@ def _detail(exc: openai.APIStatusError) -> str:
         if isinstance(error, dict) and error.get("message"):
             return str(error["message"])
     return exc.message
+
+
+def _finish_reason(remote: str) -> FinishReason:
+    """A remote server's finish reason in our words: "length" stays, any other ending
+    ("stop", "tool_calls", "content_filter") is a stop."""
+    return FinishReason.LENGTH if remote == "length" else FinishReason.STOP

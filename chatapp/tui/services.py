@@ -11,6 +11,8 @@ from chatapp.tui.recorder import Recorder
 from chatapp.tui.session_config import SessionConfig
 
 if TYPE_CHECKING:
+    from textual.worker import Worker
+
     from chatapp.history import HistoryStore
     from chatapp.settings import Settings
     from chatapp.tui.downloads import PullJob
@@ -61,9 +63,10 @@ class ModelScreenServices(Protocol):
     def local_model_name(self) -> str | None:
         """The model the local engine runs (None until known)."""
 
-    async def switch_model(self, name: str) -> None:
-        """Load another model in the local engine."""
+    def switch_model(self, name: str) -> Worker[None]:
+        """Start loading another model in the local engine (a worker: returns at once)."""
 
+    @property
     def latest_pull(self) -> PullJob | None:
         """The most recent download, running or ended."""
 

@@ -141,8 +141,9 @@ async def chat_completions(
             finish = "tool_calls" if called and r.finish_reason == "stop" else r.finish_reason
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
         completion = sum(r.num_output_tokens for r in results)
-        return ChatCompletion(
-            id=request_id, created=created, model=job.model, choices=choices, usage=gen.usage(len(prompt), completion)
+        usage = gen.usage(len(prompt), completion)
+        return ChatCompletion.model_validate(
+            {"id": request_id, "created": created, "model": job.model, "choices": choices, "usage": usage}
         )
 
     # Headers and each choice's role chunk go out now, before the first token: a client waiting

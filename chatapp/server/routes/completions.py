@@ -89,8 +89,9 @@ async def completions(body: CompletionRequest, request: Request, state: ServerSt
                 text, logprobs = echo.prepend(k, text, logprobs, r.prompt_logprobs)
             choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": r.finish_reason})
         completion = sum(r.num_output_tokens for r in results)
-        return Completion(
-            id=request_id, created=created, model=model, choices=choices, usage=gen.usage(prompt_tokens, completion)
+        usage = gen.usage(prompt_tokens, completion)
+        return Completion.model_validate(
+            {"id": request_id, "created": created, "model": model, "choices": choices, "usage": usage}
         )
 
     try:

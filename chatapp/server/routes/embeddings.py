@@ -37,11 +37,13 @@ async def embeddings(body: EmbeddingRequest, request: Request, state: ServerStat
     inputs = await gen.token_id_lists(client, body.input, "input", MAX_INPUTS)
     for i, ids in enumerate(inputs):
         gen.check_context(ids, info.max_model_len, None, "input" if len(inputs) == 1 else f"input[{i}]")
+    batch: list[str | list[int]] = list(inputs)
     try:
-        vectors = await gen.until_disconnect(request, client.embed(inputs))
+        vectors = await gen.until_disconnect(request, client.embed(batch))
     except Exception as exc:  # noqa: BLE001
         raise state.error(exc, "input") from None
     as_base64 = body.encoding_format == "base64"
     data = [{"index": i, "embedding": encode_base64(v) if as_base64 else v} for i, v in enumerate(vectors)]
     tokens = sum(len(ids) for ids in inputs)
-    return EmbeddingList(data=data, model=model, usage={"prompt_tokens": tokens, "total_tokens": tokens})
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return EmbeddingList.model_validate({"data": data, "model": model, "usage": usage})

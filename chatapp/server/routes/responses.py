@@ -99,17 +99,20 @@ def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     elif isinstance(fmt, dict):
         response_format = fmt
     try:
-        return ChatCompletionRequest(
-            model=body.model,
-            messages=_messages(body),
-            tools=tools,
-            tool_choice=choice,
-            parallel_tool_calls=body.parallel_tool_calls,
-            response_format=response_format,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            max_completion_tokens=body.max_output_tokens,
-            user=body.user,
+        # Validated from plain data: the converted input is dicts, checked here as a chat request's would be.
+        return ChatCompletionRequest.model_validate(
+            {
+                "model": body.model,
+                "messages": _messages(body),
+                "tools": tools,
+                "tool_choice": choice,
+                "parallel_tool_calls": body.parallel_tool_calls,
+                "response_format": response_format,
+                "temperature": body.temperature,
+                "top_p": body.top_p,
+                "max_completion_tokens": body.max_output_tokens,
+                "user": body.user,
+            }
         )
     except ValueError as exc:  # a pydantic error on a converted field
         raise bad_request(f"input is not a valid conversation: {exc}", "input") from None
