@@ -132,6 +132,10 @@ class MainScreen(Screen[None]):
     def _tab_activated(self, event: Tabs.TabActivated) -> None:
         if event.tab is None or event.tab.id is None:
             return
+        # A stale message: _layout moved the tabs on since (two next-session keys in one burst). Acting
+        # on it would move focus back, whose own message would move it forward again, for ever.
+        if event.tab.id != event.tabs.active:
+            return
         pane_id = event.tab.id.removeprefix("tab-")
         panes = self.panes
         for i, pane in enumerate(panes):

@@ -43,6 +43,9 @@ _RUN = uuid.uuid4().hex[:8]
 """Makes request ids unique among the TUIs (processes) that share one engine."""
 SAVE_S = 0.5
 """How often a streaming answer's text so far is saved to the history."""
+RATE_MIN_S = 0.05
+"""Shortest span a tokens-per-second figure is taken over: a rate over a few tokens in a millisecond
+(a stream cut off at once, the engine dying) is noise, not speed."""
 
 
 class ChatPane(Vertical):
@@ -292,11 +295,14 @@ class ChatPane(Vertical):
             self._pending.clear()
             await self._stream.write(text)
         now = time.monotonic()
-        if self._first_token is not None and now > self._first_token:
+        if self._first_token is not None and now - self._first_token >= RATE_MIN_S:
             self.rate = self._n_out / (now - self._first_token)
         if self._save_timer is None:
-            delay = max(0.0, SAVE_S - (now - self._last_save))
-            self._save_timer = self.set_timer(delay, self._save_partial)
+            delay = SAVE_S - (now - self._last_save)
+            if delay > 0:
+                self._save_timer = self.set_timer(delay, self._save_partial)
+            else:  # due already: a 0-second Textual timer divides by its interval when it runs late
+                self._save_partial()
 
     def _save_partial(self) -> None:
         """Save the streaming answer's text so far (at most every SAVE_S, and only after new text)."""
@@ -342,7 +348,7 @@ class ChatPane(Vertical):
         answer.metrics = Metrics(
             n_prompt or None,
             n_out or None,
-            (n_out - 1) / (ended - first) if first is not None and n_out > 1 and ended > first else None,
+            (n_out - 1) / (ended - first) if first is not None and n_out > 1 and ended - first >= RATE_MIN_S else None,
             (first - started) * 1000 if first is not None else None,
         )
         self.services.recorder.finish(self.config.db_id, answer)

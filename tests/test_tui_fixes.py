@@ -1,0 +1,123 @@
+"""TUI faults found by hand (issue 18), each held by a pilot test that failed before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.widgets import Tabs
+
+from chatapp.engine.api import EngineDeadError
+from chatapp.engine.output_processor import OutputDelta
+from chatapp.history import HistoryStore
+from chatapp.tui.widgets import chat_pane
+from tests.tui_fakes import FakeClient
+from tests.tui_helpers import answered, main_screen, make_app, panes, send, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def test_two_next_session_keys_in_one_burst_settle_and_typing_lands_in_the_focused_pane(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(160, 40)) as pilot:
+        screen = main_screen(app)
+        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: len(panes(app)) == 3, "three panes")
+        screen.focus_pane(0)
+        await pilot.pause()
+        calls: list[int] = []
+        focus_pane = screen.focus_pane
+
+        def counting(index: int) -> None:
+            calls.append(index)
+            focus_pane(index)
+
+        screen.focus_pane = counting  # type: ignore[method-assign]
+        # Two presses before the app handles the first one's tab message: the burst of a held key.
+        screen.action_next_session()
+        screen.action_next_session()
+        for _ in range(30):
+            await pilot.pause(0.01)
+        settled = len(calls)
+        for _ in range(30):
+            await pilot.pause(0.01)
+        assert len(calls) == settled, f"focus keeps moving: {calls[settled:][:10]}"
+        assert screen.active == 2
+        assert app.focused is panes(app)[2].prompt
+        await pilot.press("h", "i")
+        assert [p.prompt.text for p in panes(app)] == ["", "", "hi"]
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: len(panes(app)) == 4, "a fourth pane")
+        tabs = screen.query_one(Tabs)
+        assert tabs.tab_count == 4
+        assert tabs.active == f"tab-{panes(app)[3].id}"
+        # A click on a tab still moves focus there.
+        await pilot.click(f"#tab-{panes(app)[0].id}")
+        await wait_for(pilot, lambda: screen.active == 0, "the clicked tab's pane is active")
+        assert app.focused is panes(app)[0].prompt
+
+
+async def test_a_save_that_is_due_runs_at_once_and_never_as_a_zero_second_timer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 0-second Textual timer divides by its interval when it fires late (an app under load or
+    quitting): the save timer died with a ZeroDivisionError and partial text stopped being saved."""
+    monkeypatch.setattr(chat_pane, "SAVE_S", 0.0)  # every flush finds a save due
+    hold = asyncio.Event()
+    app = make_app(tmp_path, FakeClient(reply="one two three four five six", chunk=4, hold=hold, hold_after=2))
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        delays: list[float] = []
+        set_timer = pane.set_timer
+
+        def recording(delay: float, *args: Any, **kwargs: Any) -> Any:
+            delays.append(delay)
+            return set_timer(delay, *args, **kwargs)
+
+        pane.set_timer = recording  # type: ignore[method-assign]
+        await send(pilot, pane, "count")
+        session_id = pane.config.db_id
+        assert session_id is not None
+
+        def saved_partial() -> bool:
+            with HistoryStore(tmp_path / "history.sqlite3") as store:
+                path = store.path(session_id)
+            return len(path) == 2 and path[1].content == "one two "
+
+        await wait_for(pilot, saved_partial, "the partial answer saved while the stream is held")
+        assert delays and min(delays) > 0, delays
+        hold.set()
+        await wait_for(pilot, lambda: answered(pane), "the answer finished")
+
+
+class DyingClient(FakeClient):
+    """Three tokens at once, then the engine dies: the stream lasts well under a millisecond."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[OutputDelta]:
+        for n in range(1, 4):
+            yield OutputDelta("dying", f"tok{n} ", [n], None, False, None, None, 10, n, 0)
+        raise EngineDeadError("the engine process died (exit code -9)")
+
+
+async def test_no_rate_is_shown_or_stored_for_a_stream_shorter_than_50_ms(tmp_path: Path) -> None:
+    app = make_app(tmp_path, DyingClient())
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "hello")
+        await wait_for(pilot, lambda: answered(pane), "the answer ended")
+        answer = pane.conversation.path()[-1]
+        assert answer.status == "error" and answer.content == "tok1 tok2 tok3 "
+        assert answer.metrics is not None and answer.metrics.completion_tokens == 3
+        assert answer.metrics.tokens_per_second is None
+        assert pane.rate is None
+        footer = pane.view_for(answer).query_one(".message-footer")
+        assert "tok/s" not in str(footer.render())
+        session_id = pane.config.db_id
+        await app.action_quit()
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        stored = store.path(session_id)[-1]
+    assert stored.metrics is not None and stored.metrics.tokens_per_second is None
