@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable
+
+from chatapp.logs import log_to_file, log_to_terminal
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,14 +63,12 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     handler = getattr(args, "handler", None)
     try:
         if handler is not None:
+            log_to_terminal(args.verbose)
             return int(handler(args) or 0)
+        log_to_file(args.verbose)  # Textual owns the terminal
         from chatapp.tui.app import run
 
         return run(args)

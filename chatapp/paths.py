@@ -2,7 +2,8 @@
 
 Every directory can be moved with an environment variable so tests (and users
 with unusual setups) never touch the real home directory:
-``CHATAPP_CACHE_DIR``, ``CHATAPP_DATA_DIR``, ``CHATAPP_CONFIG_DIR``, ``CHATAPP_RUNTIME_DIR``.
+``CHATAPP_CACHE_DIR``, ``CHATAPP_DATA_DIR``, ``CHATAPP_CONFIG_DIR``, ``CHATAPP_LOG_DIR``,
+``CHATAPP_RUNTIME_DIR``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def data_dir() -> Path:
 def config_dir() -> Path:
     """The settings file."""
     return _dir("CHATAPP_CONFIG_DIR", platformdirs.user_config_dir)
+
+
+def log_dir() -> Path:
+    """The TUI's log files (a full-screen app cannot print its warnings)."""
+    return _dir("CHATAPP_LOG_DIR", platformdirs.user_log_dir)
 
 
 def runtime_dir() -> Path:

@@ -19,7 +19,7 @@ import pytest
 @pytest.fixture(autouse=True, scope="session")
 def _private_dirs(tmp_path_factory: pytest.TempPathFactory) -> None:
     base = tmp_path_factory.mktemp("chatapp-home")
-    for var in ("CHATAPP_DATA_DIR", "CHATAPP_CONFIG_DIR", "CHATAPP_RUNTIME_DIR"):
+    for var in ("CHATAPP_DATA_DIR", "CHATAPP_CONFIG_DIR", "CHATAPP_RUNTIME_DIR", "CHATAPP_LOG_DIR"):
         os.environ[var] = str(base / var.lower())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

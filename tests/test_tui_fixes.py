@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+import logging.handlers
+import warnings
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from textual.widgets import Tabs
 
+from chatapp import cli
 from chatapp.engine.api import EngineDeadError
 from chatapp.engine.output_processor import OutputDelta
 from chatapp.history import HistoryStore
@@ -121,3 +125,50 @@ async def test_no_rate_is_shown_or_stored_for_a_stream_shorter_than_50_ms(tmp_pa
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         stored = store.path(session_id)[-1]
     assert stored.metrics is not None and stored.metrics.tokens_per_second is None
+
+
+@pytest.fixture
+def restored_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+        if handler not in handlers:
+            handler.close()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.captureWarnings(False)
+
+
+def test_the_tui_logs_to_a_rotating_file_and_never_to_the_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], restored_logging: None
+) -> None:
+    monkeypatch.setenv("CHATAPP_LOG_DIR", str(tmp_path / "logs"))
+    import chatapp.tui.app as tui_app
+
+    def fake_tui(args: Any) -> int:  # what a Hub search does offline, while Textual owns the screen
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        warnings.warn("a library's own warning", UserWarning, stacklevel=1)
+        return 0
+
+    monkeypatch.setattr(tui_app, "run", fake_tui)
+    assert cli.main([]) == 0
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    log = tmp_path / "logs" / "tui.log"
+    text = log.read_text()
+    assert "Retrying in 1s [Retry 1/5]." in text and "a library's own warning" in text
+    (handler,) = logging.getLogger().handlers
+    assert isinstance(handler, logging.handlers.RotatingFileHandler) and handler.maxBytes > 0
+    assert Path(handler.baseFilename) == log
+
+
+async def test_f1_names_the_log_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CHATAPP_LOG_DIR", str(tmp_path / "logs"))
+    app = make_app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: bool(app.screen.query("#log-path")), "the help screen")
+        shown = str(app.screen.query_one("#log-path").render())
+        assert str(tmp_path / "logs" / "tui.log") in shown.replace("\n", "")

@@ -24,6 +24,7 @@ from textual.screen import Screen
 
 from chatapp.engine.api import EngineClient, EngineDeadError, EngineError
 from chatapp.history import HistoryError, HistoryOpenError, HistoryStore, Session
+from chatapp.logs import tui_log_path
 from chatapp.settings import SettingsError, load_or_default, save
 from chatapp.tui import keymap
 from chatapp.tui.conversation import Conversation
@@ -286,7 +287,7 @@ class ChatApp(App[None]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.settings.keys))
+            self.push_screen(HelpScreen(self.settings.keys, tui_log_path()))
 
     @work(group="screens")
     async def action_settings(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -24,9 +25,10 @@ EXTRA_KEYS: tuple[tuple[str, str], ...] = (
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,f1", "close", "Close")]
 
-    def __init__(self, keys: Mapping[str, str]) -> None:
+    def __init__(self, keys: Mapping[str, str], log_path: Path | None = None) -> None:
         super().__init__()
         self._keys = keys
+        self._log_path = log_path
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide"):
@@ -37,6 +39,8 @@ class HelpScreen(ModalScreen[None]):
                 classes="dialog-hint",
                 markup=False,
             )
+            if self._log_path is not None:
+                yield Label(f"Log: {self._log_path}", id="log-path", classes="dialog-hint", markup=False)
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
