@@ -12,10 +12,13 @@ attends over each request's blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from chatapp.engine.models.config import ModelConfig
 
 
 @dataclass
@@ -47,7 +50,7 @@ class LayerAttention:
     softcap: float | None = None
 
 
-def layer_attention(mc) -> list[LayerAttention]:
+def layer_attention(mc: ModelConfig) -> list[LayerAttention]:
     """Each layer's attention, from a ModelConfig (Gemma's local layers have a window)."""
     return [
         LayerAttention(
@@ -97,6 +100,7 @@ class TorchAttentionBackend:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
+        assert self._meta is not None, "begin_step() must be called before forward()"
         _store(k_cache, v_cache, k, v, self._meta.slot_mapping)
         return self._forward_sdpa(q, k_cache, v_cache, self.layers[layer])
 
@@ -106,8 +110,11 @@ class TorchAttentionBackend:
         bs = self.block_size
         nd = meta.num_decodes
         self._num_decode_tokens = nd
-        self._decode = None
-        self._prefill = None
+        self._decode: tuple[torch.Tensor, torch.Tensor] | None = None  # (block tables, seq lens)
+        # (block tables, query positions, padded rows, max query len, (gather index, valid rows) or None)
+        self._prefill: (
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, tuple[torch.Tensor, torch.Tensor] | None] | None
+        ) = None
         self._masks: dict[int | None, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         if nd:
             num_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
@@ -164,12 +171,16 @@ class TorchAttentionBackend:
         nd = self._num_decode_tokens
         decode_mask, prefill_mask = self._mask(spec.window)
         if self._prefill is None:
+            # A step has at least one request, and _mask makes a mask for each part that exists.
+            assert self._decode is not None and decode_mask is not None
             tables, _ = self._decode
             return self._attend(q.unsqueeze(1), k_cache, v_cache, tables, decode_mask, spec).squeeze(1)
         out = torch.empty_like(q)
         if self._decode is not None:
+            assert decode_mask is not None
             tables, _ = self._decode
             out[:nd] = self._attend(q[:nd].unsqueeze(1), k_cache, v_cache, tables, decode_mask, spec).squeeze(1)
+        assert prefill_mask is not None
         tables, _, _, _, gather = self._prefill
         qp = q[nd:]
         if gather is None:

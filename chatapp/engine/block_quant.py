@@ -17,6 +17,7 @@ the calibrated int8 path, and ``quantization="int4"`` rounds any model to 4 bits
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -51,7 +52,9 @@ def _fp16_bytes(values: torch.Tensor, tiles: int) -> torch.Tensor:
 _PACK_CHUNK = 1 << 20  # weights packed per chunk of whole tiles: ~4 MB of float32 at a time
 
 
-def _by_row_chunks(pack_rows, weight: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _by_row_chunks(
+    pack_rows: Callable[[torch.Tensor], tuple[torch.Tensor, float]], weight: torch.Tensor
+) -> tuple[torch.Tensor, float]:
     """Pack a weight a few tiles at a time (tiles are independent), so that packing a large LM head
     needs a few MB of float temporaries rather than several copies of the whole weight."""
     n, k = weight.shape
@@ -64,6 +67,7 @@ def _by_row_chunks(pack_rows, weight: torch.Tensor) -> tuple[torch.Tensor, float
             out = torch.empty((-(-n // TILE), *packed.shape[1:]), dtype=packed.dtype)
         out[start // TILE : start // TILE + packed.shape[0]] = packed
         error = max(error, chunk_error)
+    assert out is not None, "a weight without rows"  # projections and heads all have rows
     return out, error
 
 
@@ -234,7 +238,7 @@ class BlockQuantLinear(nn.Module):
         self.out_features = sum(p.out_features for p in parts)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self._ext = ext
-        self._dense = None
+        self._dense: torch.Tensor | None = None
         if ext is None:
             self._dense = torch.cat([dequantize(p.packed, p.kind, p.out_features) for p in self.parts])
 
@@ -256,6 +260,7 @@ class BlockQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._ext is None:
+            assert self._dense is not None  # __init__ dequantized the parts for want of the kernel
             if x.dtype != torch.float32:  # a bfloat16 model on the CPU
                 bias = None if self.bias is None else self.bias.to(x.dtype)
                 return nn.functional.linear(x, self._dense.to(x.dtype), bias)
@@ -263,7 +268,8 @@ class BlockQuantLinear(nn.Module):
         x = x.contiguous()
         if len(self.parts) == 1:
             p = self.parts[0]
-            return self._ext.block_linear(x, p.packed, p.kind, p.out_features, self.bias)
+            out: torch.Tensor = self._ext.block_linear(x, p.packed, p.kind, p.out_features, self.bias)
+            return out
         y = torch.cat([self._ext.block_linear(x, p.packed, p.kind, p.out_features) for p in self.parts], dim=1)
         return y if self.bias is None else y.add_(self.bias)
 

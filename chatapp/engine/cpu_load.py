@@ -11,6 +11,7 @@ which samples the machine's CPU time twice a second, whether the cores it would 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -32,7 +33,7 @@ def cores_are_free(others_busy: float, logical_cpus: int, threads: int) -> bool:
 class CpuLoadMonitor:
     """Answers "may this step use all its threads?", from samples at most SAMPLE_INTERVAL_S old."""
 
-    def __init__(self, threads: int, clock=time.monotonic) -> None:
+    def __init__(self, threads: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.threads = threads
         self.logical_cpus = psutil.cpu_count(logical=True) or threads
         self._clock = clock

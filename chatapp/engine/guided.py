@@ -20,12 +20,16 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+    from llguidance._lib import JsonCompileOptions
 
 _KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 _CACHED_GRAMMARS = 64
 # JSON on one line as json.dumps writes it: free whitespace lets small models run on in newlines.
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GuidedDecodingError(ValueError):
@@ -89,6 +93,7 @@ class GuidedDecoding:
             return LLMatcher.grammar_from_regex(self.regex)
         if self.choice is not None:  # JSON string literals are Lark string literals
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        assert self.grammar is not None  # __post_init__: exactly one kind is given
         return LLMatcher.grammar_from_lark(self.grammar)
 
     def check(self) -> None:
@@ -117,11 +122,11 @@ class GrammarCompiler:
         self._tokenizer_json = tokenizer_json
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
-        self._tokenizer = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._tokenizer: LLTokenizer | None = None
+        self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # compiles run on a worker thread
 
-    def matcher(self, spec: GuidedDecoding):
+    def matcher(self, spec: GuidedDecoding) -> LLMatcher:
         """A fresh llguidance matcher for ``spec``; raises GuidedDecodingError for a bad spec."""
         from llguidance import LLMatcher, LLTokenizer
 
@@ -154,11 +159,11 @@ class GrammarWorker:
         self._compiler: GrammarCompiler | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
-    def submit(self, spec: GuidedDecoding) -> Future:
+    def submit(self, spec: GuidedDecoding) -> Future[LLMatcher]:
         """A future of the matcher (its exception: GuidedDecodingError for a bad spec)."""
         return self._pool.submit(self._compile, spec)
 
-    def _compile(self, spec: GuidedDecoding):
+    def _compile(self, spec: GuidedDecoding) -> LLMatcher:
         if self._compiler is None:
             from chatapp.engine.tokenizer import Tokenizer
 

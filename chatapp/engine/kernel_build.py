@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("paged_attention_cpu.cpp", "block_quant.cpp", "kquant.cpp", "gguf_repack.cpp", "cpu_forward.cpp")
@@ -50,7 +51,7 @@ def build_key(torch_version: str) -> str:
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=6).hexdigest()
 
 
-def compile_extension(name: str, build_dir: Path, march: str = "native"):
+def compile_extension(name: str, build_dir: Path, march: str = "native") -> ModuleType:
     """Compile and import the extension as module ``name`` (ninja, through torch's cpp_extension).
 
     march: the CPU to build for; another than "native" is for tests (a build for an older CPU).
@@ -58,7 +59,7 @@ def compile_extension(name: str, build_dir: Path, march: str = "native"):
     from torch.utils.cpp_extension import load
 
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(
+    module: ModuleType = load(
         name=name,
         sources=[str(CSRC / s) for s in SOURCES],
         extra_cflags=[f"-march={march}" if flag == "-march=native" else flag for flag in CFLAGS],
@@ -66,6 +67,7 @@ def compile_extension(name: str, build_dir: Path, march: str = "native"):
         build_directory=str(build_dir),
         verbose=False,
     )
+    return module
 
 
 def build_into(target: Path) -> Path:
@@ -74,6 +76,7 @@ def build_into(target: Path) -> Path:
 
     with tempfile.TemporaryDirectory(prefix="chatapp-kernels-") as tmp:
         module = compile_extension(PREBUILT_NAME, Path(tmp))
+        assert module.__file__ is not None  # an extension module is loaded from its .so file
         built = Path(module.__file__)
         target.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, target / f"{PREBUILT_NAME}.so")

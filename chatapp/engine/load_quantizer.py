@@ -64,6 +64,7 @@ class LoadQuantizer:
         if self.mode == "int4":
             pack_layer(layer, self.ext, lossless_only=False)
             return
+        assert self._int8 is not None  # begin() made it: the mode is auto or int8 here
         if self._lossless and pack_layer(layer, self.ext, lossless_only=True):
             self._lossless_layers += 1
             self._int8.advance(model, layer)  # the calibration stream, in case a later layer needs it
@@ -82,6 +83,7 @@ class LoadQuantizer:
             pack_head(model, self.ext, lossless_only=False)
         elif not (self._lossless and pack_head(model, self.ext, lossless_only=True)):
             self.applied = "int8"
+            assert self._int8 is not None  # begin() made it: the mode is auto or int8 here
             self._int8.finish(model)
         if self.applied == "int4" and self.mode == "auto":
             log.info("weights are 4/8-bit blocks already: kept as they are (int4)")

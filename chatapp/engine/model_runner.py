@@ -13,15 +13,18 @@ import logging
 import mmap
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend, layer_attention
+from chatapp.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, layer_attention
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
 from chatapp.engine.memory import return_freed_memory
 from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.llama import LlamaForCausalLM
 from chatapp.engine.models.loader import load_model
 from chatapp.engine.models.source import ModelSource
 from chatapp.engine.outputs import TokenLogprobs
@@ -50,6 +53,26 @@ PROMPT_LOGPROB_ROWS = 256
 KV_CONTEXTS = 4
 # ...held to this share of the memory left once the weights and working memory are counted.
 KV_SHARE_OF_FREE = 0.5
+
+
+class CpuForward(Protocol):
+    """The C++ layer loop's model (``CpuModel`` of chatapp/engine/csrc/cpu_forward.cpp)."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        local_cos: torch.Tensor,
+        local_sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        /,
+    ) -> torch.Tensor: ...
 
 
 class ModelTooLargeError(ValueError):
@@ -89,6 +112,7 @@ class ModelRunner:
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         if self.device.type == "cpu":
+            assert config.num_threads is not None  # set by EngineConfig.finalize
             torch.set_num_threads(config.num_threads)
         self.cpu_load = CpuLoadMonitor(config.num_threads or 1)
         # On the CPU in float32 our C++ layer loop runs the model (with its own key layout);
@@ -109,11 +133,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
         self.cpu_forward = self._build_cpu_forward(ext)
-        self.attn = None if self.cpu_forward is not None else self._make_attention_backend()
+        self.attn: AttentionBackend | None = None if self.cpu_forward is not None else self._make_attention_backend()
 
     # -- set-up -------------------------------------------------------------
 
-    def _native_gguf(self, source: ModelSource, ext) -> bool:
+    def _native_gguf(self, source: ModelSource, ext: ModuleType | None) -> bool:
         return (
             source.gguf is not None
             and self.config.quantization in ("auto", "gguf")
@@ -121,11 +145,12 @@ class ModelRunner:
             and ext.block_quant_fast()
         )
 
-    def _weight_bytes(self, source: ModelSource, ext) -> int:
+    def _weight_bytes(self, source: ModelSource, ext: ModuleType | None) -> int:
         """What the loaded weights will take, to refuse a model that cannot fit before loading it."""
         if self._native_gguf(source, ext):
             from chatapp.engine.models.gguf_loader import native_weight_bytes
 
+            assert source.gguf is not None  # checked by _native_gguf
             return native_weight_bytes(source.gguf, self.mc)
         elem = torch.tensor([], dtype=self.dtype).element_size()
         if self._quantization_mode() is None or source.gguf is not None:
@@ -143,15 +168,18 @@ class ModelRunner:
         """The quantization to apply while loading floats (CPU): auto, int4, int8 or None."""
         return self.quantization if self.quantization in ("auto", "int4", "int8") else None
 
-    def _load(self, source: ModelSource, ext):
+    def _load(self, source: ModelSource, ext: ModuleType | None) -> LlamaForCausalLM:
         """The model's weights: a GGUF file's own blocks where our kernels run them, else floats,
         quantized layer by layer as they load (recorded in self.quantization: int4, int8 or None)."""
         cfg = self.config
+        max_model_len = cfg.max_model_len
+        assert max_model_len is not None  # set by EngineConfig.finalize
         if self._native_gguf(source, ext):
             from chatapp.engine.models.gguf_loader import load_gguf_native
 
+            assert source.gguf is not None and ext is not None  # checked by _native_gguf
             self.quantization = "gguf"
-            return load_gguf_native(source.gguf, self.mc, cfg.max_model_len, ext)
+            return load_gguf_native(source.gguf, self.mc, max_model_len, ext)
         if self.quantization == "gguf" and source.gguf is not None:
             log.warning("the GGUF file's own types need our AVX2 or AVX-512 kernels; de-quantising to float32")
         mode = self._quantization_mode()
@@ -163,15 +191,15 @@ class ModelRunner:
                 mode,
                 ext,
                 lambda: calibration_prefill(
-                    source.path, self.mc, self.device, cfg.torch_kv_dtype(), cfg.max_model_len, self.block_size
+                    source.path, self.mc, self.device, cfg.torch_kv_dtype(), max_model_len, self.block_size
                 ),
             )
         if source.gguf is None:
-            model = load_model(source.path, self.mc, self.dtype, self.device, cfg.max_model_len, quantizer)
+            model = load_model(source.path, self.mc, self.dtype, self.device, max_model_len, quantizer)
         else:
             from chatapp.engine.models.gguf_loader import load_gguf_float
 
-            model = load_gguf_float(source.gguf, self.mc, self.dtype, self.device, cfg.max_model_len)
+            model = load_gguf_float(source.gguf, self.mc, self.dtype, self.device, max_model_len)
             if quantizer is not None:
                 quantizer.run(model)
         self.quantization = None if quantizer is None else quantizer.applied
@@ -200,6 +228,7 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         if cfg.kv_cache_memory_gib is not None:
             return max(1, int(cfg.kv_cache_memory_gib * 2**30) // per_block)
+        assert cfg.max_model_len is not None  # set by EngineConfig.finalize
         wanted = KV_CONTEXTS * -(-cfg.max_model_len // self.block_size)
         spare = psutil.virtual_memory().available - weight_bytes - WORKING_MEMORY_BYTES
         return max(1, min(wanted, int(spare * KV_SHARE_OF_FREE) // per_block))
@@ -209,6 +238,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = self.config.max_num_batched_tokens
+        max_model_len, max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
+        assert n is not None and max_model_len is not None and max_num_seqs is not None  # EngineConfig.finalize
         dummy_caches = self._allocate_kv_caches(1)
         backend = self._make_attention_backend(dummy_caches)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -225,8 +256,8 @@ class ModelRunner:
         )
         with torch.inference_mode():
             backend.begin_step(meta)
-            hidden = self.model(ids, torch.arange(n, device=self.device) % self.config.max_model_len, backend)
-            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs) :])
+            hidden = self.model(ids, torch.arange(n, device=self.device) % max_model_len, backend)
+            self.model.compute_logits(hidden[-min(n, max_num_seqs) :])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del dummy_caches, backend, hidden
@@ -257,11 +288,13 @@ class ModelRunner:
         )
         caches = [(pool[i, 0], pool[i, 1]) for i in range(mc.num_layers)]
         if transposed_keys:
-            shape = (num_blocks, mc.num_kv_heads, mc.head_dim, self.block_size)
-            caches = [(k.view(shape), v) for k, v in caches]
+            key_shape = (num_blocks, mc.num_kv_heads, mc.head_dim, self.block_size)
+            caches = [(k.view(key_shape), v) for k, v in caches]
         return caches
 
-    def _make_attention_backend(self, kv_caches=None):
+    def _make_attention_backend(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> AttentionBackend:
         kv_caches = kv_caches if kv_caches is not None else self.kv_caches
         if self.config.attention_backend == "triton" and not any(self.mc.local_layers):  # no windows in Triton yet
             from chatapp.engine.attention_triton import TritonAttentionBackend
@@ -319,6 +352,7 @@ class ModelRunner:
         meta = step.meta
         attention = sum(q * s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
         small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS and attention < SINGLE_THREAD_BELOW_ATTENTION
+        assert self.config.num_threads is not None  # set by EngineConfig.finalize
         return 1 if small and not self.cpu_load.all_threads_fit() else self.config.num_threads
 
     def _forward(self, step: _PreparedStep) -> torch.Tensor:
@@ -327,8 +361,10 @@ class ModelRunner:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         if self.cpu_forward is None:
+            assert self.attn is not None  # made whenever the C++ layer loop is not
             self.attn.begin_step(step.meta)
-            return self.model(step.input_ids, step.positions, self.attn)
+            hidden: torch.Tensor = self.model(step.input_ids, step.positions, self.attn)
+            return hidden
         meta, model = step.meta, self.model
         x = model.embed(step.input_ids)
         (cos, sin), (local_cos, local_sin) = model.rope_tables(step.positions)
@@ -346,7 +382,7 @@ class ModelRunner:
             meta.block_tables,
         )
 
-    def _cpu_extension(self):
+    def _cpu_extension(self) -> ModuleType | None:
         """Our compiled CPU code, where it applies (CPU, float32, torch attention) and builds."""
         if (
             not self.config.cpu_kernels
@@ -359,7 +395,7 @@ class ModelRunner:
 
         return cpu_kernels.load()
 
-    def _build_cpu_forward(self, ext):
+    def _build_cpu_forward(self, ext: ModuleType | None) -> CpuForward | None:
         """The C++ layer loop (chatapp/engine/csrc/cpu_forward.cpp), or None without the extension.
 
         It follows the Python model step for step without the interpreter's
@@ -371,7 +407,8 @@ class ModelRunner:
 
         self._k_caches = [k for k, _ in self.kv_caches]
         self._v_caches = [v for _, v in self.kv_caches]
-        return build_cpu_model(ext, self.model)
+        cpu_model: CpuForward = build_cpu_model(ext, self.model)
+        return cpu_model
 
     def _prepare(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> _PreparedStep:
         """Flatten the batch: token ids, positions, cache slots and block tables."""

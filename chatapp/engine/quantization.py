@@ -39,14 +39,16 @@ same calibration pass at load time.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
 from chatapp.engine.attention import AttentionBackend
 from chatapp.engine.models.config import ModelConfig
-from chatapp.engine.models.llama import LlamaForCausalLM, projections
+from chatapp.engine.models.llama import LlamaForCausalLM, RMSNorm, Tables, projections
 
 SMOOTH_ALPHA = 0.5
 OUTLIER_RATIO = 20.0  # a channel whose max is this many times the median channel's is kept in float
@@ -164,7 +166,7 @@ class Int8Linear(nn.Module):
         buf = _input_buffer(self.in_features, rows)
         torch.div(x, row_max, out=buf[1 : rows + 1])
         # reduce_range=False: with VNNI the u8 x s8 products accumulate in int32 without saturating.
-        y = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self._packed, False)[1:].mul_(row_max)
+        y: torch.Tensor = torch.ops.quantized.linear_dynamic(buf[: rows + 1], self._packed, False)[1:].mul_(row_max)
         if self.outliers is not None:
             for i, row in enumerate(self.outlier_rows):
                 y.addcmul_(kept[:, i : i + 1], row)
@@ -199,7 +201,7 @@ class Int8Quantizer:
         self.mc = model.config
         self.calibration = calibration
         self.hidden: torch.Tensor | None = None
-        self.tables = None
+        self.tables: tuple[Tables, Tables] | None = None
         if calibration is not None:
             with torch.inference_mode():
                 self.hidden = model.embed(calibration.token_ids)
@@ -214,15 +216,17 @@ class Int8Quantizer:
             for name, channels in outliers.items():  # the float path handles them: do not smooth for them
                 maxima[name] = maxima[name].index_fill(0, channels, float(maxima[name].median()))
             _smooth_layer(layer, maxima, self.mc)
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = _int8(attn.qkv_proj, outliers.get("qkv_proj"))
-        attn.o_proj = _int8(attn.o_proj, outliers.get("o_proj"))
-        mlp.gate_up_proj = _int8(mlp.gate_up_proj, outliers.get("gate_up_proj"))
-        mlp.down_proj = _int8(mlp.down_proj, outliers.get("down_proj"))
+        # Owners typed as plain modules: their nn.Linear attributes are replaced by Int8Linear.
+        attn, mlp = cast(nn.Module, layer.self_attn), cast(nn.Module, layer.mlp)
+        attn.qkv_proj = _int8(cast(nn.Linear, attn.qkv_proj), outliers.get("qkv_proj"))
+        attn.o_proj = _int8(cast(nn.Linear, attn.o_proj), outliers.get("o_proj"))
+        mlp.gate_up_proj = _int8(cast(nn.Linear, mlp.gate_up_proj), outliers.get("gate_up_proj"))
+        mlp.down_proj = _int8(cast(nn.Linear, mlp.down_proj), outliers.get("down_proj"))
 
     def advance(self, model: LlamaForCausalLM, layer: nn.Module) -> None:
         """Run a layer that stays as it is over the calibration stream, for the layers after it."""
         if self.calibration is not None:
+            assert self.hidden is not None and self.tables is not None  # set with the calibration, until finish
             with torch.inference_mode():
                 self.hidden = model.run_layer(layer, self.hidden, self.tables, self.calibration.attn)
 
@@ -250,12 +254,14 @@ class Int8Quantizer:
         """Per-input-channel max |x| of the layer's projections, as the layer runs in float."""
         maxima: dict[str, torch.Tensor] = {}
 
-        def record(name: str):
+        def record(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
             def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
                 maxima[name] = inputs[0].detach().abs().amax(dim=0).float()
 
             return hook
 
+        # layer() measures only with a calibration, whose stream __init__ started
+        assert self.calibration is not None and self.hidden is not None and self.tables is not None
         hooks = [getattr(owner, attr).register_forward_pre_hook(record(attr)) for owner, attr in projections(layer)]
         try:
             with torch.inference_mode():
@@ -299,24 +305,26 @@ def _smooth_layer(layer: nn.Module, maxima: dict[str, torch.Tensor], mc: ModelCo
     """Divide activations by s and multiply weights by s where a preceding op can absorb the division."""
     group, d = mc.num_heads // mc.num_kv_heads, mc.head_dim
     v_start = (mc.num_heads + mc.num_kv_heads) * d
-    attn, mlp = layer.self_attn, layer.mlp
-    s = _factor(maxima["qkv_proj"], attn.qkv_proj.weight)
-    layer.input_layernorm.weight.div_(s)
-    attn.qkv_proj.weight.mul_(s)
-    s = _factor(maxima["gate_up_proj"], mlp.gate_up_proj.weight)
-    layer.mlp_input_norm.weight.div_(s)
-    mlp.gate_up_proj.weight.mul_(s)
-    s = _factor(maxima["down_proj"], mlp.down_proj.weight)  # absorbed by the up projection
-    mlp.gate_up_proj.weight[mc.intermediate_size :].div_(s[:, None])
-    if mlp.gate_up_proj.bias is not None:
-        mlp.gate_up_proj.bias[mc.intermediate_size :].div_(s)
-    mlp.down_proj.weight.mul_(s)
+    attn, mlp = cast(nn.Module, layer.self_attn), cast(nn.Module, layer.mlp)
+    qkv, o = cast(nn.Linear, attn.qkv_proj), cast(nn.Linear, attn.o_proj)  # float projections, not yet swapped
+    gate_up, down = cast(nn.Linear, mlp.gate_up_proj), cast(nn.Linear, mlp.down_proj)
+    s = _factor(maxima["qkv_proj"], qkv.weight)
+    cast(RMSNorm, layer.input_layernorm).weight.div_(s)
+    qkv.weight.mul_(s)
+    s = _factor(maxima["gate_up_proj"], gate_up.weight)
+    cast(RMSNorm, layer.mlp_input_norm).weight.div_(s)
+    gate_up.weight.mul_(s)
+    s = _factor(maxima["down_proj"], down.weight)  # absorbed by the up projection
+    gate_up.weight[mc.intermediate_size :].div_(s[:, None])
+    if gate_up.bias is not None:
+        gate_up.bias[mc.intermediate_size :].div_(s)
+    down.weight.mul_(s)
     # o_proj's input channel (head h, dim j) is a mix of value channel (h // group, j): heads of
     # one group share a factor, absorbed by the value projection.
     x_max = maxima["o_proj"].view(mc.num_kv_heads, group, d).amax(dim=1)
-    w_max = attn.o_proj.weight.abs().amax(dim=0).float().view(mc.num_kv_heads, group, d).amax(dim=1)
+    w_max = o.weight.abs().amax(dim=0).float().view(mc.num_kv_heads, group, d).amax(dim=1)
     s = (x_max.clamp(min=1e-5).pow(SMOOTH_ALPHA) / w_max.clamp(min=1e-5).pow(1 - SMOOTH_ALPHA)).clamp(min=1e-5)
-    attn.qkv_proj.weight[v_start:].div_(s.reshape(-1, 1))
-    if attn.qkv_proj.bias is not None:
-        attn.qkv_proj.bias[v_start:].div_(s.reshape(-1))
-    attn.o_proj.weight.mul_(s[:, None, :].expand(mc.num_kv_heads, group, d).reshape(1, -1))
+    qkv.weight[v_start:].div_(s.reshape(-1, 1))
+    if qkv.bias is not None:
+        qkv.bias[v_start:].div_(s.reshape(-1))
+    o.weight.mul_(s[:, None, :].expand(mc.num_kv_heads, group, d).reshape(1, -1))

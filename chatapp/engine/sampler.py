@@ -10,12 +10,16 @@ the batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from chatapp.engine.outputs import TokenLogprobs
 from chatapp.engine.request import Request
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher
 
 
 @dataclass
@@ -55,7 +59,7 @@ class Sampler:
                 self._greedy_mask(requests, logits.device), greedy_tokens, self._sample_random(logits, requests)
             )
         token_list = tokens.tolist()
-        logprobs = [None] * len(requests)
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:
             logprobs = [
                 _token_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs) for i, r in enumerate(requests)
@@ -96,9 +100,9 @@ class GrammarMasks:
     applied to those rows only: free requests in the same batch are untouched."""
 
     def __init__(self) -> None:
-        self._executor = None
+        self._executor: LLExecutor | None = None
 
-    def apply(self, logits: torch.Tensor, guided: list[tuple[object, int]]) -> None:
+    def apply(self, logits: torch.Tensor, guided: list[tuple[LLMatcher, int]]) -> None:
         import llguidance
         import llguidance.torch as llt
 
@@ -144,11 +148,11 @@ def _mask_out(logits: torch.Tensor, allowed: np.ndarray) -> None:
         at = _token_positions(~allowed, partly_blocked, vocab)
         flat[torch.from_numpy(at).to(logits.device)] = float("-inf")
         return
-    at = torch.from_numpy(_token_positions(allowed, np.flatnonzero(allowed.reshape(-1) != 0), vocab))
-    at = at.to(logits.device)
-    keep = flat[at]
+    kept = torch.from_numpy(_token_positions(allowed, np.flatnonzero(allowed.reshape(-1) != 0), vocab))
+    kept = kept.to(logits.device)
+    keep = flat[kept]
     flat.fill_(float("-inf"))
-    flat[at] = keep
+    flat[kept] = keep
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
