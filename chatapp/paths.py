@@ -29,8 +29,10 @@ def cache_dir() -> Path:
 
 
 def data_dir() -> Path:
-    """Chat history: data the user would be sad to lose."""
-    return _dir("CHATAPP_DATA_DIR", platformdirs.user_data_dir)
+    """Chat history: data the user would be sad to lose, and nobody else's to read (mode 0700)."""
+    path = _dir("CHATAPP_DATA_DIR", platformdirs.user_data_dir)
+    os.chmod(path, 0o700)
+    return path
 
 
 def config_dir() -> Path:

@@ -667,3 +667,32 @@ def test_threads_can_share_one_store(store):
         t.join()
     assert errors == []
     assert len(store.children(None, session_id=s.id)) == 80
+
+
+def test_the_history_is_readable_by_its_owner_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conversations are private: the file (and SQLite's -wal/-shm beside it) 0600, the data dir 0700."""
+    import stat
+
+    from chatapp import paths
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    monkeypatch.setenv("CHATAPP_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "data").mkdir(mode=0o755)
+    assert mode(paths.data_dir()) == 0o700
+    db = tmp_path / "new" / "history.sqlite3"
+    with HistoryStore(db) as store:
+        session = store.create_session("private")
+        store.add_message(session.id, None, "user", "my secret")
+        sidecars = [p for p in (Path(f"{db}-wal"), Path(f"{db}-shm")) if p.exists()]
+        assert sidecars  # WAL mode: written beside the file
+        assert {mode(p) for p in [db, *sidecars]} == {0o600}
+    assert mode(db.parent) == 0o700
+    old = tmp_path / "old.sqlite3"
+    with HistoryStore(old):
+        pass
+    old.chmod(0o644)  # made by an older chatapp
+    with HistoryStore(old):
+        pass
+    assert mode(old) == 0o600

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -135,7 +136,7 @@ class HistoryStore:
         self._conn: sqlite3.Connection | None = None
         self._writer: _WriterLock | None = None
         try:
-            self.db_path.parent.mkdir(parents=True, exist_ok=True)
+            self.db_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise HistoryOpenError(f"cannot create the folder for the chat history {self.db_path}: {exc}") from None
         try:
@@ -159,7 +160,25 @@ class HistoryStore:
     def _writer_dir(self) -> Path:
         return self.db_path.parent / (self.db_path.name + ".writers")
 
+    def _keep_private(self) -> None:
+        """The history is the user's conversations (and remote sessions' settings): readable by its owner
+        alone, as the settings file is. A new file is made 0600, so SQLite makes its -wal and -shm files
+        so too; an older, wider file is narrowed."""
+        try:
+            fd = os.open(self.db_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            for suffix in ("", "-wal", "-shm"):
+                with suppress(OSError):  # not ours to change (a shared file): leave it as it is
+                    path = Path(f"{self.db_path}{suffix}")
+                    if path.exists() and path.stat().st_mode & 0o077:
+                        os.chmod(path, 0o600)
+        except OSError:
+            return  # sqlite3.connect reports why the file cannot be made
+        else:
+            os.close(fd)
+
     def _connect(self) -> sqlite3.Connection:
+        self._keep_private()
         try:
             conn = sqlite3.connect(
                 self.db_path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
