@@ -35,7 +35,7 @@ Layout of the file (every key optional)::
     api_key = "sk-..."
 
     [keys]
-    new_session = "ctrl+n"
+    new_session = "ctrl+g"
     quit = "ctrl+q,ctrl+c"   # alternatives are separated by commas; "" unbinds
 """
 
@@ -72,20 +72,31 @@ SETTINGS_FILENAME: Final = "settings.toml"
 
 DEFAULT_KEYS: Final[Mapping[str, str]] = {
     "quit": "ctrl+q",
-    "new_session": "ctrl+n",
-    "close_session": "ctrl+w",
+    "new_session": "ctrl+t",
+    "close_session": "f8",
     "next_session": "ctrl+pagedown",
     "previous_session": "ctrl+pageup",
     "stop": "escape",
-    "regenerate": "ctrl+r",
-    "edit_message": "ctrl+e",
+    "regenerate": "alt+r",
+    "edit_message": "alt+e",
     "previous_branch": "alt+left",
     "next_branch": "alt+right",
-    "search": "ctrl+f",
+    "search": "f7",
     "export": "ctrl+s",
     "settings": "f2",
 }
-"""The remappable actions (action name -> key) and their default keys. The TUI owns these names."""
+"""The remappable actions (action name -> key) and their default keys. The TUI owns these names.
+None is a key the prompt box edits with (Ctrl+W, Ctrl+E, Ctrl+B, Ctrl+F, ... as in a shell)."""
+
+FORMER_DEFAULT_KEYS: Final[Mapping[str, str]] = {
+    "new_session": "ctrl+n",
+    "close_session": "ctrl+w",
+    "regenerate": "ctrl+r",
+    "edit_message": "ctrl+e",
+    "search": "ctrl+f",
+}
+"""Defaults before the prompt got the shell's editing keys. Saved settings hold every key, so a value
+equal to its former default is read as today's default, not as the user's choice."""
 
 
 class SettingsError(Exception):
@@ -257,7 +268,8 @@ def load_or_default(path: Path | str | None = None) -> tuple[Settings, SettingsE
 def _validate(data: dict[str, Any], text: str, path: Path | None) -> Settings:
     """Build Settings from parsed TOML; errors name the file, line and field of every problem."""
     if isinstance(data.get("keys"), dict):
-        data = {**data, "keys": {**DEFAULT_KEYS, **data["keys"]}}
+        kept = {k: v for k, v in data["keys"].items() if FORMER_DEFAULT_KEYS.get(k) != v}
+        data = {**data, "keys": {**DEFAULT_KEYS, **kept}}
     try:
         return Settings.model_validate(data)
     except ValidationError as exc:

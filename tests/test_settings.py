@@ -55,7 +55,7 @@ def test_round_trip(path):
     s.server.port = 9000
     s.server.api_key = "local-secret"
     s.endpoints.append(RemoteEndpoint(name="openai", base_url="https://api.openai.com/v1", api_key="sk-x"))
-    s.keys["new_session"] = "ctrl+t"
+    s.keys["new_session"] = "ctrl+g"
     save(s, path)
     assert load(path) == s
     assert stat.S_IMODE(path.stat().st_mode) == 0o600  # it may hold API keys
@@ -92,13 +92,13 @@ def test_remapped_keys_keep_defaults_for_the_rest(path):
         path,
         """
         [keys]
-        new_session = "ctrl+t"
+        new_session = "ctrl+g"
         quit = "ctrl+q,ctrl+c"
         export = ""
     """,
     )
     keys = load(path).keys
-    assert keys["new_session"] == "ctrl+t"
+    assert keys["new_session"] == "ctrl+g"
     assert keys["quit"] == "ctrl+q,ctrl+c"
     assert keys["export"] == ""  # unbound
     assert keys["search"] == DEFAULT_KEYS["search"]
@@ -175,7 +175,7 @@ def test_bad_toml_names_the_file_and_line(path):
         ),
         ('[keys]\nquit = "ctrl q"\n', "keys.quit", 2, "not a key"),
         ("[keys]\nquit = 5\n", "keys.quit", 2, "valid string"),
-        ('[keys]\nsearch = "ctrl+n"\n', "keys", 1, "'ctrl+n' is bound to both"),
+        ('[keys]\nsearch = "ctrl+t"\n', "keys", 1, "'ctrl+t' is bound to both"),
     ],
 )
 def test_bad_values_name_the_field_and_line(path, text, field, line, fragment):

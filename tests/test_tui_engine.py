@@ -67,7 +67,7 @@ async def test_two_sessions_stream_together_and_match_the_offline_engine(
     app = real_app(data_dir)
     async with app.run_test(size=(140, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.state in ("ready", "busy"), "engine attached", steps=3000)
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: len(panes(app)) == 2, "two panes")
         first, second = panes(app)
         await send(pilot, first, PROMPTS[0])
@@ -83,7 +83,7 @@ async def test_two_sessions_stream_together_and_match_the_offline_engine(
         # Regenerate the first: a second branch; greedy decoding gives the same text again.
         first.prompt.focus()
         await wait_for(pilot, lambda: main_screen(app).active == 0, "first pane active")
-        await pilot.press("ctrl+r")
+        await pilot.press("alt+r")
         await wait_for(
             pilot,
             lambda: answered(first) and len(first.conversation.leaf.parent.children) == 2,
@@ -100,7 +100,7 @@ async def test_escape_stops_a_real_stream(keeper: Any, reference: dict[str, str]
     app = real_app(data_dir)
     async with app.run_test(size=(140, 40)) as pilot:
         await wait_for(pilot, lambda: app.engine.state in ("ready", "busy"), "engine attached", steps=3000)
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: len(panes(app)) == 3, "a third pane")
         pane = panes(app)[2]
         # Far more than the reference's 200 tokens: the stream cannot end before Escape lands.

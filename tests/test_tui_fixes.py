@@ -11,13 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.binding import Binding
 from textual.widgets import Tabs
 
 from chatapp import cli
 from chatapp.engine.api import EngineDeadError
 from chatapp.engine.output_processor import OutputDelta
 from chatapp.history import HistoryStore
+from chatapp.tui import keymap
+from chatapp.tui.engine_link import EngineSnapshot
 from chatapp.tui.widgets import chat_pane
+from chatapp.tui.widgets.status_bar import StatusBar
 from tests.tui_fakes import FakeClient
 from tests.tui_helpers import answered, main_screen, make_app, panes, send, wait_for
 
@@ -28,8 +32,8 @@ async def test_two_next_session_keys_in_one_burst_settle_and_typing_lands_in_the
     app = make_app(tmp_path)
     async with app.run_test(size=(160, 40)) as pilot:
         screen = main_screen(app)
-        await pilot.press("ctrl+n")
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+t")
+        await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: len(panes(app)) == 3, "three panes")
         screen.focus_pane(0)
         await pilot.pause()
@@ -54,7 +58,7 @@ async def test_two_next_session_keys_in_one_burst_settle_and_typing_lands_in_the
         assert app.focused is panes(app)[2].prompt
         await pilot.press("h", "i")
         assert [p.prompt.text for p in panes(app)] == ["", "", "hi"]
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: len(panes(app)) == 4, "a fourth pane")
         tabs = screen.query_one(Tabs)
         assert tabs.tab_count == 4
@@ -172,3 +176,72 @@ async def test_f1_names_the_log_file(tmp_path: Path, monkeypatch: pytest.MonkeyP
         await wait_for(pilot, lambda: bool(app.screen.query("#log-path")), "the help screen")
         shown = str(app.screen.query_one("#log-path").render())
         assert str(tmp_path / "logs" / "tui.log") in shown.replace("\n", "")
+
+
+async def test_the_status_bar_shows_the_engines_whole_loading_line(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    detail = "compiling chatapp's CPU kernels once for this machine (about a minute, first start only)"
+    async with app.run_test(size=(120, 30)):
+        bar = main_screen(app).query_one(StatusBar)
+        bar.engine = EngineSnapshot("loading", model="FakeLM-1M", progress=0.25, detail=detail)
+        shown = bar.render().plain  # read at once: the app's engine poll sets its own snapshot
+        assert detail in shown and len(shown) <= 120, shown
+
+
+def _prompt_keys() -> set[str]:
+    from textual.widgets import TextArea
+
+    from chatapp.tui.widgets.prompt_input import PromptInput
+
+    keys: set[str] = set()
+    for cls in (PromptInput, TextArea):  # the editing keys (not the scroll keys of its bases)
+        for binding in cls.BINDINGS:
+            if isinstance(binding, Binding):
+                keys.update(binding.key.split(","))
+    return keys
+
+
+def test_no_default_action_key_is_one_the_prompt_edits_with() -> None:
+    prompt_keys = _prompt_keys()
+    assert {"ctrl+w", "ctrl+e", "ctrl+a", "ctrl+u", "ctrl+b", "ctrl+f", "alt+b", "alt+f"} <= prompt_keys
+    clashes = {
+        (a.name, key)
+        for a in keymap.ACTIONS
+        for key in a.default.split(",")
+        if key in prompt_keys and key not in ("f6", "f7")  # TextArea's line/all selection: ours win there
+    }
+    assert clashes == set()
+
+
+async def test_the_prompt_edits_like_a_shell_line_and_app_keys_stay_out_of_it(tmp_path: Path) -> None:
+    client = FakeClient()
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        pane.prompt.focus()
+        await pilot.pause()
+        await pilot.press(*"hello big world")
+        await pilot.press("ctrl+w")  # a word back: the draft, not the pane
+        assert pane.prompt.text == "hello big " and len(panes(app)) == 1
+        await pilot.press("ctrl+a", "X", "ctrl+e", "Y")
+        assert pane.prompt.text == "Xhello big Y"
+        await pilot.press("ctrl+b", "ctrl+b", "alt+b", "-", "ctrl+f", "+", "alt+f", "alt+b", "*")
+        assert pane.prompt.text == "Xhello -b+*ig Y"
+        await pilot.press("ctrl+n", "ctrl+r")  # once new pane and regenerate: now nothing
+        await pilot.pause()
+        assert len(panes(app)) == 1 and client.requests == []
+        await pilot.press("ctrl+e", "ctrl+u")
+        assert pane.prompt.text == ""
+        await pilot.press("ctrl+t")  # the new-session key
+        await wait_for(pilot, lambda: len(panes(app)) == 2, "a new pane")
+
+
+def test_saved_settings_holding_the_former_default_keys_get_the_new_ones(tmp_path: Path) -> None:
+    from chatapp.settings import DEFAULT_KEYS, FORMER_DEFAULT_KEYS, load
+
+    path = tmp_path / "settings.toml"
+    path.write_text('[keys]\nnew_session = "ctrl+n"\nclose_session = "ctrl+w"\nsearch = "ctrl+g"\n')
+    keys = load(path).keys
+    assert keys["new_session"] == DEFAULT_KEYS["new_session"] == "ctrl+t"
+    assert keys["close_session"] == DEFAULT_KEYS["close_session"] != FORMER_DEFAULT_KEYS["close_session"]
+    assert keys["search"] == "ctrl+g"  # the user's own choice stays

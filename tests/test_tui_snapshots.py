@@ -82,7 +82,7 @@ def test_main_screen_with_three_sessions(snap_compare, tmp_path: Path) -> None:
 def test_sessions_list_with_a_search(snap_compare, tmp_path: Path) -> None:
     async def run_before(pilot: Pilot) -> None:
         await settle(pilot)
-        await pilot.press("ctrl+f")
+        await pilot.press("f7")
         await wait_for(pilot, lambda: isinstance(pilot.app.screen, SessionsScreen), "sessions list")
         await pilot.press(*"list")
         await pilot.pause()

@@ -79,7 +79,7 @@ async def test_two_panes_stream_at_the_same_time(tmp_path: Path) -> None:
     client = FakeClient(reply="one two three four five six", chunk=4, hold=hold, hold_after=2)
     app = make_app(tmp_path, client)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: len(panes(app)) == 2, "a second pane")
         first, second = panes(app)
         await send(pilot, first, "A")
@@ -132,7 +132,7 @@ async def test_regenerate_and_edit_make_branches_that_the_keys_switch(tmp_path: 
         pane = panes(app)[0]
         await send(pilot, pane, "question")
         await wait_for(pilot, lambda: answered(pane), "first answer")
-        await pilot.press("ctrl+r")
+        await pilot.press("alt+r")
         await wait_for(
             pilot, lambda: answered(pane) and pane.conversation.leaf.content == "second answer", "regenerated"
         )
@@ -148,7 +148,7 @@ async def test_regenerate_and_edit_make_branches_that_the_keys_switch(tmp_path: 
         await pilot.press("alt+right")
         await wait_for(pilot, lambda: pane.conversation.leaf.content == "second answer", "next branch")
 
-        await pilot.press("ctrl+e")
+        await pilot.press("alt+e")
         await wait_for(pilot, lambda: pane.editing is not None, "editing")
         assert pane.prompt.text == "question"
         pane.prompt.text = "question, edited"
@@ -168,7 +168,7 @@ async def test_panes_beyond_the_width_are_reached_through_tabs(tmp_path: Path) -
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 30)) as pilot:
         for _ in range(3):
-            await pilot.press("ctrl+n")
+            await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: len(panes(app)) == 4, "four panes")
         screen = main_screen(app)
         shown = [p for p in panes(app) if p.display]
@@ -192,15 +192,15 @@ async def test_panes_beyond_the_width_are_reached_through_tabs(tmp_path: Path) -
 async def test_closed_session_is_found_by_search_and_reopened(tmp_path: Path) -> None:
     app = make_app(tmp_path, FakeClient(reply="Paris is the capital of France."))
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: len(panes(app)) == 2, "two panes")
         pane = panes(app)[1]
         await send(pilot, pane, "capital of France?")
         await wait_for(pilot, lambda: answered(pane), "answer")
         session_id = pane.config.db_id
-        await pilot.press("ctrl+w")
+        await pilot.press("f8")
         await wait_for(pilot, lambda: len(panes(app)) == 1, "closed")
-        await pilot.press("ctrl+f")
+        await pilot.press("f7")
         await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), "sessions list")
         await pilot.press(*"pari")
         table = app.screen.query_one(DataTable)
@@ -273,29 +273,29 @@ async def test_dead_engine_is_shown_and_restarted(tmp_path: Path) -> None:
         await pilot.press("f10")
         await wait_for(pilot, lambda: bar.engine.state == "ready", "ready again")
         assert client.restarts == 1
-        await pilot.press("ctrl+r")
+        await pilot.press("alt+r")
         await wait_for(
             pilot, lambda: answered(pane) and pane.conversation.leaf.status == "complete", "answer after restart"
         )
 
 
 async def test_keys_can_be_remapped_in_the_settings_file(tmp_path: Path) -> None:
-    (tmp_path / "settings.toml").write_text('[keys]\nregenerate = "f7"\nhelp = "f12"\n')
+    (tmp_path / "settings.toml").write_text('[keys]\nregenerate = "f11"\nhelp = "f12"\n')
     client = FakeClient()
     app = make_app(tmp_path, client)
     async with app.run_test(size=(120, 40)) as pilot:
         pane = panes(app)[0]
         await send(pilot, pane, "q")
         await wait_for(pilot, lambda: answered(pane), "answer")
-        await pilot.press("ctrl+r")  # no longer bound
+        await pilot.press("alt+r")  # no longer bound
         await pilot.pause()
         assert len(client.requests) == 1
-        await pilot.press("f7")
-        await wait_for(pilot, lambda: len(client.requests) == 2 and answered(pane), "regenerated with F7")
+        await pilot.press("f11")
+        await wait_for(pilot, lambda: len(client.requests) == 2 and answered(pane), "regenerated with F11")
         await pilot.press("f12")
         await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "help on F12")
         rows = [app.screen.query_one(DataTable).get_row_at(i) for i in range(app.screen.query_one(DataTable).row_count)]
-        assert ["F7", "Regenerate the last answer (a new branch)", "regenerate"] in [list(r) for r in rows]
+        assert ["F11", "Regenerate the last answer (a new branch)", "regenerate"] in [list(r) for r in rows]
 
 
 async def test_command_palette_offers_the_same_actions(tmp_path: Path) -> None:
@@ -320,7 +320,7 @@ async def test_copy_keys_put_the_answer_and_its_code_on_the_clipboard(tmp_path: 
         await wait_for(pilot, lambda: answered(pane), "answer")
         await pilot.press("ctrl+o")
         assert app.clipboard == CODE_REPLY
-        await pilot.press("ctrl+b")
+        await pilot.press("alt+c")
         assert app.clipboard == "def add(a, b):\n    return a + b\n"
 
 
@@ -460,7 +460,7 @@ async def test_four_fast_streams_are_batched_into_few_markdown_appends(tmp_path:
     app = make_app(tmp_path, client)
     async with app.run_test(size=(170, 40)) as pilot:
         for _ in range(3):
-            await pilot.press("ctrl+n")
+            await pilot.press("ctrl+t")
         await wait_for(pilot, lambda: len(panes(app)) == 4, "four panes")
         for pane in panes(app):
             await send(pilot, pane, "go")
@@ -474,8 +474,8 @@ async def test_four_fast_streams_are_batched_into_few_markdown_appends(tmp_path:
 def test_keymap_from_settings_unbinds_and_reports_unknown_actions() -> None:
     from chatapp.tui import keymap
 
-    mapping, warnings = keymap.keymap({"stop": "", "regenerate": "f7", "teleport": "f8", "new_session": "ctrl+n"})
-    assert mapping == {"stop": keymap.UNBOUND, "regenerate": "f7"}  # ctrl+n is the settings default: ours stays
+    mapping, warnings = keymap.keymap({"stop": "", "regenerate": "f11", "teleport": "f12", "new_session": "ctrl+t"})
+    assert mapping == {"stop": keymap.UNBOUND, "regenerate": "f11"}  # ctrl+t is the settings default: ours stays
     assert len(warnings) == 1 and "'teleport'" in warnings[0]
     assert keymap.key_for("next_session", {"next_session": "ctrl+pagedown"}) == "ctrl+pagedown,f6"
     assert keymap.display_key(keymap.key_for("stop", {"stop": ""})) == "(unbound)"

@@ -37,10 +37,10 @@ ACTIONS: tuple[Action, ...] = (
     Action("help", "help", "Show every key", "f1", "app"),
     Action("settings", "settings", "Edit settings (model, theme, memory, port)", "f2", "app"),
     Action("models", "models", "Models: local list, Hub search, downloads, switch", "f4", "app"),
-    Action("search", "sessions", "Sessions list: search, open, export", "ctrl+f", "app"),
+    Action("search", "sessions", "Sessions list: search, open, export", "f7", "app"),
     Action("quit", "quit", "Quit", "ctrl+q", "app"),
-    Action("new_session", "new_session", "New session pane", "ctrl+n", "chat"),
-    Action("close_session", "close_session", "Close the focused session (kept in history)", "ctrl+w", "chat"),
+    Action("new_session", "new_session", "New session pane", "ctrl+t", "chat"),
+    Action("close_session", "close_session", "Close the focused session (kept in history)", "f8", "chat"),
     Action("rename_session", "rename_session", "Rename the focused session", "f3", "chat"),
     Action(
         "session_settings",
@@ -52,12 +52,12 @@ ACTIONS: tuple[Action, ...] = (
     Action("next_session", "next_session", "Focus the next session", "ctrl+pagedown,f6", "chat"),
     Action("previous_session", "previous_session", "Focus the previous session", "ctrl+pageup,shift+f6", "chat"),
     Action("stop", "stop", "Stop the answer being generated", "escape", "chat"),
-    Action("regenerate", "regenerate", "Regenerate the last answer (a new branch)", "ctrl+r", "chat"),
-    Action("edit_message", "edit_message", "Edit and resend your last message (a new branch)", "ctrl+e", "chat"),
+    Action("regenerate", "regenerate", "Regenerate the last answer (a new branch)", "alt+r", "chat"),
+    Action("edit_message", "edit_message", "Edit and resend your last message (a new branch)", "alt+e", "chat"),
     Action("previous_branch", "previous_branch", "Show the previous branch of a turn", "alt+left", "chat"),
     Action("next_branch", "next_branch", "Show the next branch of a turn", "alt+right", "chat"),
     Action("copy_answer", "copy_answer", "Copy the last answer to the clipboard", "ctrl+o", "chat"),
-    Action("copy_code", "copy_code", "Copy the last code block of the last answer", "ctrl+b", "chat"),
+    Action("copy_code", "copy_code", "Copy the last code block of the last answer", "alt+c", "chat"),
     Action("export", "export", "Export the focused session to Markdown and JSON", "ctrl+s", "chat"),
     Action("toggle_server", "toggle_server", "Start or stop the local OpenAI-compatible API port", "f9", "app"),
     Action("restart_engine", "restart_engine", "Restart the engine (after it died)", "f10", "app"),
@@ -67,7 +67,8 @@ BY_NAME: Mapping[str, Action] = {a.name: a for a in ACTIONS}
 
 
 def bindings(scope: Scope) -> list[BindingType]:
-    """Textual bindings for one scope; ``priority`` so a focused text box cannot swallow them."""
+    """Textual bindings for one scope; ``priority`` so a focused text box cannot swallow them (which is
+    why no default is a key the prompt box edits with: Ctrl+W, Ctrl+E, Ctrl+B, Ctrl+F, ...)."""
     return [
         Binding(a.default, a.action, a.description, show=False, priority=True, id=a.name)
         for a in ACTIONS

@@ -38,7 +38,11 @@ class StatusBar(Widget):
         if e.state == "dead":
             text.append(f" {self.restart_key} restarts", style="bold")
         elif e.detail and e.state in ("starting", "loading"):
-            text.append(f" {e.detail[:40]}", style="italic")
+            # The whole line of what the engine is doing (compiling kernels, reading weights): while it
+            # loads, this is the news, so it stands alone rather than being cut to fit the figures.
+            text.append(f" {e.detail}", style="italic")
+            text.append(f"  {self.help_key} help", style="dim")
+            return text
         parts = [e.model or "no model"]
         if e.device:
             parts.append(e.device)
