@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from chatapp.engine.output_processor import OutputDelta
 from chatapp.engine.sampling_params import SamplingParams
@@ -109,11 +109,26 @@ class ModelInfo:
     load_seconds: float
 
 
+def loaded_model_info(client: object) -> ModelInfo | None:
+    """The model ``client`` serves, or None while it has none (starting, loading): for status lines,
+    which ask at any time, where the EngineClient protocol's ``model_info`` is for a ready client."""
+    try:
+        info = getattr(client, "model_info", None)
+    except EngineBusyError:
+        return None
+    return cast("ModelInfo | None", info)
+
+
 class EngineClient(Protocol):
     """What the TUI and the HTTP server may rely on."""
 
-    model_info: ModelInfo
-    tokenizer: Tokenizer
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model (read once the client is ready)."""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer (read once the client is ready)."""
 
     def generate(
         self,

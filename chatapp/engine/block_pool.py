@@ -92,8 +92,9 @@ class BlockPool:
         block.block_hash = block_hash
 
     def _evict(self, block: KVBlock) -> None:
-        if self._cached.get(block.block_hash) is block:
-            del self._cached[block.block_hash]
+        block_hash = block.block_hash
+        if block_hash is not None and self._cached.get(block_hash) is block:
+            del self._cached[block_hash]
         block.block_hash = None
 
     def reset_prefix_cache(self) -> None:

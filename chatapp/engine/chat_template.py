@@ -30,7 +30,8 @@ class _GenerationTag(Extension):
         return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
     def _render(self, caller: Any) -> str:
-        return caller()
+        rendered: str = caller()
+        return rendered
 
 
 def _raise_exception(message: str) -> None:

@@ -124,8 +124,8 @@ class AsyncEngineClient:
         self._runtime_arg = Path(runtime_dir) if runtime_dir is not None else None
         self.state: State = EngineState.STARTING
         self.state_detail = ""
-        self.model_info: ModelInfo | None = None  # set once ready (and again after a model switch)
-        self.tokenizer: Tokenizer | None = None  # the model's tokenizer, loaded here from model_info.path
+        self._model_info: ModelInfo | None = None  # set once ready (and again after a model switch)
+        self._tokenizer: Tokenizer | None = None  # the model's tokenizer, loaded here from model_info.path
         self.engine_pid: int | None = None
         self.spawned_engine = False  # whether this client started the engine it is attached to
         self.model_mismatch: str | None = None  # set when attached to an engine serving another model
@@ -225,7 +225,8 @@ class AsyncEngineClient:
                 self._death = exc if isinstance(exc, EngineError) else EngineDeadError(f"start failed: {exc}")
                 self._set_state(EngineState.DEAD, str(exc))
             raise
-        if self.state != EngineState.READY:
+        state: State = self.state  # widened: mypy keeps the narrowing from before the awaits that changed it
+        if state != EngineState.READY:
             raise self._death or EngineDeadError("the engine client was closed while starting")
 
     async def _restart(self) -> None:
@@ -344,7 +345,8 @@ class AsyncEngineClient:
         if not isinstance(inputs, list) or not inputs:
             raise InvalidRequestError("input must be a non-empty list of strings or token-id lists", "input")
         prompts = [self._embedding_ids(item, i) for i, item in enumerate(inputs)]
-        return await self._call(lambda cid: ipc.EmbedCall(cid, prompts), invalid_param="input")
+        vectors: list[list[float]] = await self._call(lambda cid: ipc.EmbedCall(cid, prompts), invalid_param="input")
+        return vectors
 
     async def switch_model(self, model: str | None) -> ModelInfo:
         """Have the engine load another model (for every attached client); running requests end with "error"."""
@@ -353,6 +355,21 @@ class AsyncEngineClient:
         return msgspec.convert(result, ModelInfo) if not isinstance(result, ModelInfo) else result
 
     # -- requests: validation and tokenization ------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The model the engine serves; EngineBusyError until it first is ready (kept after it dies, as
+        the model it was serving). :func:`chatapp.engine.api.loaded_model_info` asks without raising."""
+        if self._model_info is None:
+            raise EngineBusyError(f"the engine has no model loaded yet ({self.state}); retry shortly")
+        return self._model_info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The served model's tokenizer, loaded in this process; EngineBusyError until the model is ready."""
+        if self._tokenizer is None:
+            raise EngineBusyError(f"the engine has no model loaded yet ({self.state}); retry shortly")
+        return self._tokenizer
 
     def _require_ready(self) -> None:
         if self.state == EngineState.READY:
@@ -367,33 +384,33 @@ class AsyncEngineClient:
         self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, params: SamplingParams
     ) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids), or InvalidRequestError naming the bad field."""
-        assert self.tokenizer is not None and self.model_info is not None
+        assert self._tokenizer is not None and self._model_info is not None
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         text: str | None = None
         if messages is not None:
             param = "messages"
             try:
-                token_ids = self.tokenizer.render_chat(messages)
+                token_ids = self._tokenizer.render_chat(messages)
             except ChatFormatError as exc:
                 raise InvalidRequestError(str(exc), "messages") from exc
         else:
             param = "prompt"
             if isinstance(prompt, str):
                 text = prompt
-                token_ids = self.tokenizer.encode(prompt) if prompt else []
+                token_ids = self._tokenizer.encode(prompt) if prompt else []
             else:
                 token_ids = self._check_token_ids(prompt, "prompt")
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param)
-        max_len = self.model_info.max_model_len
+        max_len = self._model_info.max_model_len
         if len(token_ids) >= max_len:
             raise InvalidRequestError(context_length_error(max_len, len(token_ids), params.max_tokens), param)
         return text, token_ids
 
     def _check_token_ids(self, ids: object, param: str) -> list[int]:
-        assert self.model_info is not None
-        vocab = self.model_info.vocab_size
+        assert self._model_info is not None
+        vocab = self._model_info.vocab_size
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError(f"{param} must be a string or a list of token ids", param)
         if any(not 0 <= t < vocab for t in ids):
@@ -401,15 +418,15 @@ class AsyncEngineClient:
         return list(ids)
 
     def _embedding_ids(self, item: str | list[int], index: int) -> list[int]:
-        assert self.tokenizer is not None and self.model_info is not None
+        assert self._tokenizer is not None and self._model_info is not None
         if isinstance(item, str):
-            ids = self.tokenizer.encode(item) if item else []
+            ids = self._tokenizer.encode(item) if item else []
         else:
             ids = self._check_token_ids(item, "input")
         if not ids:
             raise InvalidRequestError(f"input[{index}] is empty", "input")
-        if len(ids) >= self.model_info.max_model_len:
-            raise InvalidRequestError(context_length_error(self.model_info.max_model_len, len(ids), 0), "input")
+        if len(ids) >= self._model_info.max_model_len:
+            raise InvalidRequestError(context_length_error(self._model_info.max_model_len, len(ids), 0), "input")
         return ids
 
     # -- calls ---------------------------------------------------------------------------
@@ -557,7 +574,7 @@ class AsyncEngineClient:
     async def _apply_engine_state(self, state: str, detail: str, info: ModelInfo | None) -> None:
         """Follow the engine's state; on "ready" (re)load the tokenizer first, so requests can be tokenized."""
         if state == "ready" and info is not None:
-            if self.tokenizer is None or self.model_info is None or self.model_info.path != info.path:
+            if self._tokenizer is None or self._model_info is None or self._model_info.path != info.path:
                 self._set_state(EngineState.LOADING, f"loading the tokenizer of {info.name}")
                 try:
                     tokenizer = await asyncio.to_thread(Tokenizer, info.path)
@@ -565,9 +582,9 @@ class AsyncEngineClient:
                     log.exception("loading the tokenizer failed")
                     self._die(EngineError(f"could not load the tokenizer of {info.name}: {exc}"))
                     return
-                self.tokenizer = tokenizer
+                self._tokenizer = tokenizer
                 self._processor = OutputProcessor(tokenizer)
-            self.model_info = info
+            self._model_info = info
             self._set_state(EngineState.READY, detail)
         elif state == "loading":
             self._set_state(EngineState.LOADING, detail)
@@ -764,7 +781,7 @@ def _alive(proc: psutil.Process, popen: subprocess.Popen[bytes] | None) -> bool:
     if popen is not None and popen.pid == proc.pid:
         return popen.poll() is None
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 

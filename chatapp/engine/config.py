@@ -108,12 +108,14 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, _DTYPES[self.dtype])
+        dtype: torch.dtype = getattr(torch, _DTYPES[self.dtype])
+        return dtype
 
     def torch_kv_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, _DTYPES[self.kv_cache_dtype])
+        dtype: torch.dtype = getattr(torch, _DTYPES[self.kv_cache_dtype])
+        return dtype
 
     def finalize(self, *, checkpoint_dtype: torch.dtype | None, model_max_len: int) -> EngineConfig:
         """Return a copy with every "auto"/None field chosen from the model and machine."""

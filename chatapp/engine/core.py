@@ -12,6 +12,7 @@ import logging
 import time
 from collections import deque
 from concurrent import futures
+from typing import Any
 
 from chatapp.engine.api import EngineBusyError, EngineStats, context_length_error  # noqa: F401  (re-exported)
 from chatapp.engine.config import EngineConfig
@@ -40,6 +41,7 @@ class EngineCore:
         mc = self.model_config
         config = config.finalize(checkpoint_dtype=mc.checkpoint_dtype, model_max_len=mc.max_position_embeddings)
         self.runner = ModelRunner(config, source)
+        assert config.max_model_len is not None  # finalize() chose it
         # The runner's decisions, folded in once: the quantization it applied (for "auto"), the pool it
         # sized, and the context capped at the pool (a request must always fit the pool on its own).
         config = dataclasses.replace(
@@ -53,7 +55,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv)
         self._pending: list[EngineCoreOutput] = []
         self._grammars = GrammarWorker(self.model.path, mc.vocab_size, mc.eos_token_ids)
-        self._compiling: dict[str, tuple[Request, futures.Future]] = {}
+        self._compiling: dict[str, tuple[Request, futures.Future[Any]]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # Where step time goes: the model's forward (and LM head) against the whole step.
@@ -75,6 +77,13 @@ class EngineCore:
             self.load_seconds,
         )
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) a request may reach: the resolved config's."""
+        max_model_len = self.config.max_model_len
+        assert max_model_len is not None  # resolved in __init__
+        return max_model_len
+
     # -- requests -----------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -93,11 +102,12 @@ class EngineCore:
             params,
             self.model_config.eos_token_ids,
             self.config.block_size,
-            self.config.max_model_len,
+            self.max_model_len,
         )
         if params.guided is None:
             self.scheduler.add(req)
         else:  # its grammar compiles on a worker thread; step() admits it once compiled
+            assert not isinstance(params.guided, dict)  # SamplingParams.__post_init__ made it a GuidedDecoding
             self._compiling[request_id] = (req, self._grammars.submit(params.guided))
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> str | None:
@@ -108,8 +118,8 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             return f"prompt token ids must be in [0, {vocab})"
-        if len(prompt) >= self.config.max_model_len:
-            return context_length_error(self.config.max_model_len, len(prompt), params.max_tokens)
+        if len(prompt) >= self.max_model_len:
+            return context_length_error(self.max_model_len, len(prompt), params.max_tokens)
         return None
 
     def abort(self, request_ids: list[str]) -> None:
@@ -203,7 +213,7 @@ class EngineCore:
                 SamplingParams(max_tokens=1),
                 frozenset(),
                 self.config.block_size,
-                self.config.max_model_len,
+                self.max_model_len,
             )
             if not self.kv.allocate_slots(req, len(ids)):
                 raise EngineBusyError("the KV cache is full right now; retry the embedding request shortly")

@@ -4,12 +4,14 @@ family's layers and Gemma's (their extra norms, windows and RoPE-less layers by 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
+import torch
 from torch import nn
 
 from chatapp.engine.block_quant import BlockQuantLinear
-from chatapp.engine.models.llama import LlamaForCausalLM
+from chatapp.engine.models.gemma import GemmaDecoderLayer
+from chatapp.engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from chatapp.engine.quantization import Int8Linear
 
 
@@ -28,11 +30,11 @@ def _linear_spec(linear: nn.Module) -> dict[str, Any]:
     return {"weight": linear.weight.detach(), "bias": None if linear.bias is None else linear.bias.detach()}
 
 
-def build_cpu_model(ext: ModuleType, model: LlamaForCausalLM):
+def build_cpu_model(ext: ModuleType, model: LlamaForCausalLM) -> Any:
     """A CpuModel holding the decoder layers' weights (shared with the Python model, not copied)."""
     mc = model.config
 
-    def weight(norm: nn.Module | None):
+    def weight(norm: RMSNorm | None) -> torch.Tensor | None:
         return None if norm is None else norm.weight.detach()
 
     cpu = ext.CpuModel(
@@ -47,7 +49,8 @@ def build_cpu_model(ext: ModuleType, model: LlamaForCausalLM):
         mc.is_gemma,
     )
     gemma = mc.is_gemma  # sandwich norms: each block's output normed before the residual
-    for i, layer in enumerate(model.layers):
+    for i, module in enumerate(model.layers):
+        layer = cast(DecoderLayer | GemmaDecoderLayer, module)  # the model's layer_class
         attn, mlp = layer.self_attn, layer.mlp
         cpu.add_layer(
             layer.input_layernorm.weight.detach(),
@@ -59,7 +62,7 @@ def build_cpu_model(ext: ModuleType, model: LlamaForCausalLM):
             _linear_spec(mlp.gate_up_proj),
             _linear_spec(mlp.down_proj),
             weight(layer.post_attention_layernorm) if gemma else None,
-            weight(layer.post_feedforward_layernorm) if gemma else None,
+            weight(cast(GemmaDecoderLayer, layer).post_feedforward_layernorm) if gemma else None,
             mc.layer_is_local(i),
             mc.layer_uses_rope(i),
         )

@@ -30,7 +30,8 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip)
+        text: str = self._tok.decode(ids, skip_special_tokens=self._skip)
+        return text
 
     def add_tokens(self, token_ids: list[int], finished: bool) -> str:
         """Feed new tokens; return the text that may be shown now."""

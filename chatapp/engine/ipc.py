@@ -130,11 +130,11 @@ class ShuttingDown(msgspec.Struct, tag=True):
 EngineMessage = Welcome | StateUpdate | Outputs | Reply | ByeAck | ShuttingDown
 
 
-def client_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+def client_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder[EngineMessage]]:
     return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(EngineMessage)
 
 
-def engine_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+def engine_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder[ClientMessage]]:
     return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(ClientMessage)
 
 
@@ -145,6 +145,7 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     """The constructor arguments only: the engine rebuilds (and so re-validates) the params."""
     wire = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
     if params.guided is not None:
+        assert not isinstance(params.guided, dict)  # SamplingParams.__post_init__ made it a GuidedDecoding
         wire["guided"] = params.guided.to_wire()
     return wire
 

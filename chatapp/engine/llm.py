@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from chatapp.engine.api import EngineStats
 from chatapp.engine.config import EngineConfig
@@ -35,10 +35,13 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Complete prompts (a string, a list of strings, or token-id lists), in input order."""
+        batch: Sequence[Prompt]
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        items = []
-        for prompt in prompts:
+            batch = [cast(Prompt, prompts)]
+        else:
+            batch = cast(Sequence[Prompt], prompts)
+        items: list[tuple[str | None, list[int]]] = []
+        for prompt in batch:
             if isinstance(prompt, str):
                 items.append((prompt, self.tokenizer.encode(prompt)))
             else:
@@ -51,9 +54,12 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Answer OpenAI-style message lists rendered with the model's chat template."""
+        batch: Sequence[list[dict[str, Any]]]
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        items = [(None, self.tokenizer.render_chat(list(c))) for c in conversations]
+            batch = [cast(list[dict[str, Any]], conversations)]
+        else:
+            batch = cast(Sequence[list[dict[str, Any]]], conversations)
+        items: list[tuple[str | None, list[int]]] = [(None, self.tokenizer.render_chat(list(c))) for c in batch]
         return self._run(items, params)
 
     def stats(self) -> EngineStats:
@@ -77,7 +83,7 @@ class LLM:
             SamplingParams(max_tokens=1),
             frozenset(),
             core.config.block_size,
-            core.config.max_model_len,
+            core.max_model_len,
         )
         if not core.kv.allocate_slots(req, len(token_ids)):
             raise ValueError(f"{len(token_ids)} tokens do not fit the free KV cache")
@@ -86,7 +92,8 @@ class LLM:
                 ScheduledBatch([req], [len(token_ids)]), {req.request_id: core.kv.block_ids(req.request_id)}
             )[0]
             with torch.inference_mode():
-                return core.runner.model.compute_logits(hidden)
+                logits: torch.Tensor = core.runner.model.compute_logits(hidden)
+                return logits
         finally:
             core.kv.free(req.request_id)
 
@@ -101,6 +108,7 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
         for p in params:
             if p.guided is not None:
+                assert not isinstance(p.guided, dict)  # SamplingParams.__post_init__ made it a GuidedDecoding
                 p.guided.check()  # a bad schema, regex or grammar: GuidedDecodingError (a ValueError) now
         ids = []
         for (text, token_ids), p in zip(items, params):

@@ -101,7 +101,7 @@ def model_info(core: EngineCore) -> ModelInfo:
         name=core.model.name,
         path=str(core.model.path),
         architecture=mc.architecture,
-        max_model_len=cfg.max_model_len,
+        max_model_len=core.max_model_len,
         vocab_size=mc.vocab_size,
         device=cfg.device,
         dtype=cfg.dtype,
@@ -511,7 +511,7 @@ def _precheck_model(spec: str | None) -> None:
 
 def _alive(proc: psutil.Process) -> bool:
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 

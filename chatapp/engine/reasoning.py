@@ -12,7 +12,7 @@ OPEN, CLOSE = "<think>", "</think>"
 
 
 def template_reasons(chat_template: str | None) -> bool:
-    return bool(chat_template) and OPEN in chat_template
+    return chat_template is not None and OPEN in chat_template
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:

@@ -87,13 +87,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        max_num_seqs = cfg.max_num_seqs
+        assert budget is not None and threshold is not None and max_num_seqs is not None, "config not finalized"
         batch = ScheduledBatch()
         preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget, cfg.long_prefill_token_threshold)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget, threshold)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim)
@@ -107,7 +110,7 @@ class Scheduler:
                 i += 1
 
         # Admit waiting requests in order; none after a preemption, which means memory is short.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted and len(self.running) < max_num_seqs:
             req = self.waiting[0]
             # A request that wants prompt logprobs computes every position: no prefix-cache hit.
             lookup = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
@@ -116,7 +119,7 @@ class Scheduler:
             num_new = min(
                 req.num_tokens - req.num_computed_tokens - num_cached_tokens,
                 budget,
-                cfg.long_prefill_token_threshold,
+                threshold,
             )
             if not self.kv.allocate_slots(req, num_new, cached):
                 break
@@ -167,8 +170,9 @@ class Scheduler:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
             )
-            if logprobs is not None and logprobs[i] is not None:
-                out.new_logprobs = [logprobs[i]]
+            token_logprobs = logprobs[i] if logprobs is not None else None
+            if token_logprobs is not None:
+                out.new_logprobs = [token_logprobs]
             if req.prompt_logprobs is not None and req.num_output_tokens == 1:
                 out.prompt_logprobs = req.prompt_logprobs
             if status is not None:

@@ -16,9 +16,12 @@ import os
 import shutil
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chatapp.engine.model_ref import is_gguf_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _REMEMBERED = 4096
@@ -35,7 +38,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     calls' arguments as objects (what chat templates expect; OpenAI sends JSON text)."""
     if not isinstance(messages, list) or not messages:
         raise ChatFormatError("messages must be a non-empty list")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ChatFormatError(f"messages[{i}] must be an object with role and content")
@@ -108,7 +111,7 @@ def gguf_tokenizer_cache(gguf: Path) -> Path:
     return paths.cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
 
 
-def load_hf_tokenizer(path: Path):
+def load_hf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     """A model directory's or GGUF file's tokenizer as transformers builds it (imports torch: ~1 s).
 
     Used once per GGUF file to write its tokenizer files (prepare_tokenizer_files), and by tests as
@@ -134,7 +137,7 @@ def prepare_tokenizer_files(path: Path) -> Path:
     cache = gguf_tokenizer_cache(path)
     if (cache / "tokenizer.json").exists():
         return cache
-    tokenizer = _gguf_tokenizer_quickly(path) if is_gguf_path(path) else None
+    tokenizer: PreTrainedTokenizerBase | None = _gguf_tokenizer_quickly(path) if is_gguf_path(path) else None
     if tokenizer is None:
         tokenizer = load_hf_tokenizer(path)
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
@@ -149,7 +152,7 @@ def prepare_tokenizer_files(path: Path) -> Path:
     return cache
 
 
-def _gguf_tokenizer_quickly(path: Path):
+def _gguf_tokenizer_quickly(path: Path) -> PreTrainedTokenizerFast | None:
     """transformers' GGUF tokenizer conversion fed by its metadata-only reader, or None.
 
     AutoTokenizer also parses the whole file through `gguf`'s reader for the model's config (8 s
@@ -163,7 +166,10 @@ def _gguf_tokenizer_quickly(path: Path):
 
         architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(path))
         backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+        # transformers leaves TokenizersBackend.__init__ unannotated
+        return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+            tokenizer_object=backend, **tokenizer_config, **extra
+        )
     except Exception as exc:  # an older transformers, or a file its quick path does not take
         import logging
 

@@ -68,7 +68,8 @@ def _hoist_definitions(parameters: dict[str, Any], prefix: str, into: dict[str, 
 
     for name in local:
         into[prefix + name] = rewrite(into[prefix + name])
-    return rewrite(parameters)
+    hoisted: dict[str, Any] = rewrite(parameters)
+    return hoisted
 
 
 def _call_schema(tool: dict[str, Any], arguments_key: str, definitions: dict[str, Any]) -> dict[str, Any]:
@@ -216,9 +217,10 @@ class MistralFormat(ToolFormat):
             return text, []
         items = items if isinstance(items, list) else [items]
         calls = [_call_from_obj(item, "arguments", mistral_call_id) for item in items]
-        if not calls or any(c is None for c in calls):
+        found = [c for c in calls if c is not None]
+        if not calls or len(found) != len(calls):
             return text, []
-        return content, _unique(calls)
+        return content, _unique(found)
 
 
 def _unique(calls: list[ToolCall]) -> list[ToolCall]:

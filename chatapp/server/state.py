@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fastapi import Request
 
-from chatapp.engine.api import EngineClient, EngineDeadError, EngineState, ModelInfo
+from chatapp.engine.api import EngineClient, EngineDeadError, EngineState, ModelInfo, loaded_model_info
 from chatapp.server.errors import APIError, from_engine_error, unavailable
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class ServerState:
             return "restarting"
         client_state = getattr(self.client, "state", EngineState.READY)
         if not isinstance(client_state, str) or client_state == EngineState.READY:
-            return "ready" if self.client.model_info is not None else "loading"
+            return "ready" if loaded_model_info(self.client) is not None else "loading"
         return "loading" if client_state == EngineState.STARTING else str(client_state)
 
     def engine(self) -> EngineClient:
@@ -83,7 +83,7 @@ class ServerState:
 
     @property
     def model_info(self) -> ModelInfo | None:
-        return getattr(self.client, "model_info", None)
+        return loaded_model_info(self.client)
 
     def model_id(self) -> str:
         info = self.model_info

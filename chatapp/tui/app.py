@@ -22,7 +22,7 @@ from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 
-from chatapp.engine.api import EngineClient, EngineDeadError, EngineError
+from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, loaded_model_info
 from chatapp.history import HistoryError, HistoryOpenError, HistoryStore, Session
 from chatapp.logs import tui_log_path
 from chatapp.settings import SettingsError, load_or_default, save
@@ -227,8 +227,8 @@ class ChatApp(App[None]):
 
     def local_model_name(self) -> str | None:
         client = self.engine.raw_client
-        info = getattr(client, "model_info", None) if client is not None else None
-        return getattr(info, "name", None)
+        info = loaded_model_info(client) if client is not None else None
+        return info.name if info is not None else None
 
     def create_session_config(self) -> SessionConfig:
         """A new session, saved at once so it comes back after a restart."""

@@ -17,7 +17,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, EngineState, EngineStats
+from chatapp.engine.api import (
+    EngineClient,
+    EngineDeadError,
+    EngineError,
+    EngineState,
+    EngineStats,
+    loaded_model_info,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +159,9 @@ class LocalEngine:
             # From "dead" too: another user of this client (the API port's server) restarted it.
             self._state, self._error = "ready", None
             self._ready.set()
-        info = getattr(client, "model_info", None)
-        model = getattr(info, "name", None)
-        device = getattr(info, "device", None)
+        info = loaded_model_info(client)
+        model = info.name if info is not None else None
+        device = info.device if info is not None else None
         progress = getattr(client, "load_progress", None)
         detail = getattr(client, "state_detail", None) or None
         if self._state == "dead":

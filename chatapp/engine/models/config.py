@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +89,7 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return cast(float, (self.query_pre_attn_scalar or self.head_dim) ** -0.5)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -119,7 +119,7 @@ def _checkpoint_dtype(name: str | None) -> torch.dtype | None:
         return None
     import torch  # here: model facts read configs in clients, which do not load torch
 
-    return getattr(torch, name)
+    return cast(torch.dtype, getattr(torch, name))
 
 
 def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,8 @@ What sets them apart, all read from ModelConfig:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -41,7 +43,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, table: Tables, attn: AttentionBackend) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, table, attn))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return cast(torch.Tensor, x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))))
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -69,13 +71,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return x * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32).to(x.dtype)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[Tables, Tables]:
+        assert self.rope is not None and self.local_rope is not None, "build_rope() comes first"
         table = self.rope.lookup(positions)
         return table, table if self.local_rope is self.rope else self.local_rope.lookup(positions)
 
-    def run_layer(self, layer: nn.Module, x: torch.Tensor, tables: tuple[Tables, Tables], attn: AttentionBackend):
+    def run_layer(
+        self, layer: nn.Module, x: torch.Tensor, tables: tuple[Tables, Tables], attn: AttentionBackend
+    ) -> torch.Tensor:
         if layer.local:
-            return layer(x, self.local_rope, tables[1], attn)
-        return layer(x, self.rope, tables[0], attn)
+            return cast(torch.Tensor, layer(x, self.local_rope, tables[1], attn))
+        return cast(torch.Tensor, layer(x, self.rope, tables[0], attn))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -17,6 +17,7 @@ import logging
 import warnings
 from collections.abc import Callable
 from types import ModuleType
+from typing import cast
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from chatapp.engine.block_quant import KIND_FOR_GGUF_TYPE, TILE, TILE_BYTES, Blo
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gemma import GemmaDecoderLayer, model_class
 from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
-from chatapp.engine.models.llama import LlamaForCausalLM
+from chatapp.engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return h * head_dim + 2 * (within % half) + within // half
 
 
-def _layer_norms(layer: nn.Module, i: int) -> list[tuple[nn.Module, str]]:
+def _layer_norms(layer: DecoderLayer | GemmaDecoderLayer, i: int) -> list[tuple[RMSNorm, str]]:
     """(norm module, GGUF tensor) of a layer. llama.cpp's Gemma files store the weights with the 1
     already added, which is what our norms multiply by."""
     p = f"blk.{i}."
@@ -247,18 +248,21 @@ def load_gguf_float(
         put(model.norm.weight, "output_norm.weight")
         if model.lm_head is not None:
             put(model.lm_head.weight, "output.weight")
-        for i, layer in enumerate(model.layers):
+        for i, module in enumerate(model.layers):
+            layer = cast(DecoderLayer | GemmaDecoderLayer, module)  # the model's layer_class
             attn, mlp = layer.self_attn, layer.mlp
-            for module, name in _layer_norms(layer, i):
-                put(module.weight, name)
+            for norm_module, name in _layer_norms(layer, i):
+                put(norm_module.weight, name)
             if attn.q_norm is not None:
+                assert attn.k_norm is not None  # set together in Attention.__init__
                 put(attn.q_norm.weight, f"blk.{i}.attn_q_norm.weight")
                 put(attn.k_norm.weight, f"blk.{i}.attn_k_norm.weight")
             for kind, linear in (
-                ("qkv", attn.qkv_proj),
-                ("o", attn.o_proj),
-                ("gate_up", mlp.gate_up_proj),
-                ("down", mlp.down_proj),
+                # nn.Linear in a freshly built model (only loaders and quantizers swap them)
+                ("qkv", cast(nn.Linear, attn.qkv_proj)),
+                ("o", cast(nn.Linear, attn.o_proj)),
+                ("gate_up", cast(nn.Linear, mlp.gate_up_proj)),
+                ("down", cast(nn.Linear, mlp.down_proj)),
             ):
                 start = 0
                 for name, rows, heads in loader.projections(i, kind):
@@ -313,11 +317,13 @@ def load_gguf_native(
 
     norm(model.norm, "output_norm.weight", h)
     total = mc.num_layers
-    for i, layer in enumerate(model.layers):
+    for i, module in enumerate(model.layers):
+        layer = cast(DecoderLayer | GemmaDecoderLayer, module)  # the model's layer_class
         attn, mlp = layer.self_attn, layer.mlp
-        for module, name in _layer_norms(layer, i):
-            norm(module, name, h)
+        for norm_module, name in _layer_norms(layer, i):
+            norm(norm_module, name, h)
         if attn.q_norm is not None:
+            assert attn.k_norm is not None  # set together in Attention.__init__
             norm(attn.q_norm, f"blk.{i}.attn_q_norm.weight", mc.head_dim)
             norm(attn.k_norm, f"blk.{i}.attn_k_norm.weight", mc.head_dim)
         attn.qkv_proj = linear(loader.projections(i, "qkv"), loader.bias(i, "qkv") if mc.attention_bias else None)
@@ -329,7 +335,9 @@ def load_gguf_native(
     head_name = "token_embd.weight" if mc.tie_word_embeddings else "output.weight"
     model.quantized_lm_head = linear([(head_name, mc.vocab_size, None)], None)
     model.lm_head = None
-    model.embed_tokens = GGUFEmbedding(gguf.tensor("token_embd.weight"), dtype, device)
+    # Stands in for nn.Embedding (num_embeddings, embedding_dim, forward); no .weight, and none is needed:
+    # the LM head is quantized_lm_head.
+    model.embed_tokens = cast(nn.Embedding, GGUFEmbedding(gguf.tensor("token_embd.weight"), dtype, device))
     if model.embed_tokens.num_embeddings != mc.vocab_size or model.embed_tokens.embedding_dim != h:
         raise GGUFError(
             f"tensor token_embd.weight has shape {gguf.tensor('token_embd.weight').shape}, "

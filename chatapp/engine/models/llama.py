@@ -9,6 +9,8 @@ q/k/v and gate/up projections are fused into one matmul each.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,9 +44,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
         self.q_size = mc.num_heads * mc.head_dim
         self.kv_size = mc.num_kv_heads * mc.head_dim
-        self.qkv_proj = nn.Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, bias=mc.attention_bias, device=device)
-        self.o_proj = nn.Linear(self.q_size, mc.hidden_size, bias=False, device=device)
+        self.qkv_proj: nn.Module = nn.Linear(
+            mc.hidden_size, self.q_size + 2 * self.kv_size, bias=mc.attention_bias, device=device
+        )
+        self.o_proj: nn.Module = nn.Linear(self.q_size, mc.hidden_size, bias=False, device=device)
         self.use_rope = mc.layer_uses_rope(layer)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if mc.qk_norm:
             self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, device)
             self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, device)
@@ -59,26 +65,29 @@ class Attention(nn.Module):
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # set together in __init__
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         if self.use_rope:
             qk = rope.rotate(qk, table)  # q and k in one go
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer, qk[:, : self.num_heads], qk[:, self.num_heads :], v)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return cast(torch.Tensor, self.o_proj(out.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
     def __init__(self, mc: ModelConfig, device: Device = None) -> None:
         super().__init__()
         self.intermediate = mc.intermediate_size
-        self.gate_up_proj = nn.Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=mc.mlp_bias, device=device)
-        self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=mc.mlp_bias, device=device)
+        self.gate_up_proj: nn.Module = nn.Linear(
+            mc.hidden_size, 2 * mc.intermediate_size, bias=mc.mlp_bias, device=device
+        )
+        self.down_proj: nn.Module = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=mc.mlp_bias, device=device)
         self.gelu = mc.is_gemma  # GeGLU (tanh-approximated GELU), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        return cast(torch.Tensor, self.down_proj(act * up))
 
 
 class DecoderLayer(nn.Module):
@@ -98,16 +107,16 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, table, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return cast(torch.Tensor, x + self.mlp(self.post_attention_layernorm(x)))
 
 
 def projections(layer: nn.Module) -> list[tuple[nn.Module, str]]:
     """(owner, attribute) of a decoder layer's four projections, for the quantizers to swap."""
     return [
-        (layer.self_attn, "qkv_proj"),
-        (layer.self_attn, "o_proj"),
-        (layer.mlp, "gate_up_proj"),
-        (layer.mlp, "down_proj"),
+        (cast(nn.Module, layer.self_attn), "qkv_proj"),
+        (cast(nn.Module, layer.self_attn), "o_proj"),
+        (cast(nn.Module, layer.mlp), "gate_up_proj"),
+        (cast(nn.Module, layer.mlp), "down_proj"),
     ]
 
 
@@ -147,26 +156,29 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings in the model's dtype (a quantized model keeps a 16-bit checkpoint's
         embedding table as it is: the rows are exact in float32)."""
-        return self.embed_tokens(input_ids).to(self.norm.weight.dtype)
+        return cast(torch.Tensor, self.embed_tokens(input_ids)).to(self.norm.weight.dtype)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[Tables, Tables]:
         """(global, local) layers' (cos, signed_sin) for a step's positions; one set for this family."""
+        assert self.rope is not None, "build_rope() comes first"
         table = self.rope.lookup(positions)
         return table, table
 
-    def run_layer(self, layer: nn.Module, x: torch.Tensor, tables: tuple[Tables, Tables], attn: AttentionBackend):
+    def run_layer(
+        self, layer: nn.Module, x: torch.Tensor, tables: tuple[Tables, Tables], attn: AttentionBackend
+    ) -> torch.Tensor:
         """One decoder layer with its RoPE (a family with local layers picks theirs)."""
-        return layer(x, self.rope, tables[0], attn)
+        return cast(torch.Tensor, layer(x, self.rope, tables[0], attn))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
         tables = self.rope_tables(positions)  # once per step, shared by every layer
         for layer in self.layers:
             x = self.run_layer(layer, x, tables, attn)
-        return self.norm(x)
+        return cast(torch.Tensor, self.norm(x))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_lm_head is not None:
-            return self.quantized_lm_head(hidden)
+            return cast(torch.Tensor, self.quantized_lm_head(hidden))
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

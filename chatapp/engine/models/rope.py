@@ -93,6 +93,9 @@ class RotaryEmbedding(torch.nn.Module):
     same float results as Hugging Face's formula.
     """
 
+    cos: torch.Tensor  # buffers (register_buffer below)
+    signed_sin: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,
@@ -118,7 +121,7 @@ class RotaryEmbedding(torch.nn.Module):
             freqs = torch.where(past, long, freqs)
         scale = attention_scaling(scaling)
         cos, sin = freqs.cos() * scale, freqs.sin() * scale
-        self.half = self.rotary_dim // 2
+        self.half_dim = self.rotary_dim // 2
         self.register_buffer("cos", torch.cat((cos, cos), -1).to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("signed_sin", torch.cat((-sin, sin), -1).to(device=device, dtype=dtype), persistent=False)
 
@@ -130,6 +133,6 @@ class RotaryEmbedding(torch.nn.Module):
         """Rotate x [T, heads, D] by the looked-up table (its first rotary_dim dimensions; the rest pass)."""
         cos, sin = table
         if self.rotary_dim == x.shape[-1]:
-            return x * cos + x.roll(self.half, dims=-1) * sin
+            return x * cos + x.roll(self.half_dim, dims=-1) * sin
         rot = x[..., : self.rotary_dim]
-        return torch.cat((rot * cos + rot.roll(self.half, dims=-1) * sin, x[..., self.rotary_dim :]), dim=-1)
+        return torch.cat((rot * cos + rot.roll(self.half_dim, dims=-1) * sin, x[..., self.rotary_dim :]), dim=-1)

@@ -81,7 +81,8 @@ def read_into(tensor: StoredTensor, dest: torch.Tensor) -> None:
         )
     with open(tensor.path, "rb") as f:
         f.seek(tensor.start)
-        if f.readinto(memoryview(view)) != view.nbytes:
+        # numpy's stubs give ndarray the buffer protocol (__buffer__) only for Python >= 3.12
+        if f.readinto(memoryview(view)) != view.nbytes:  # type: ignore[arg-type]
             raise CheckpointError(f"{tensor.path.name} is truncated: tensor {tensor.name} is cut short")
 
 
