@@ -99,7 +99,7 @@ def test_config_is_resolved_once_and_never_changed_after(tiny_llama: Path) -> No
     """The user's config is frozen; the engine's is resolved from it once, with what loading decided."""
     import dataclasses
 
-    from chatapp.engine.config import EngineConfig
+    from chatapp.engine.config import EngineConfig, ResolvedConfig
 
     asked = EngineConfig(model=str(tiny_llama), quantization="auto", kv_cache_memory_gib=0.01)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -108,6 +108,7 @@ def test_config_is_resolved_once_and_never_changed_after(tiny_llama: Path) -> No
     runner = llm.core.runner
     assert runner.config.quantization == "auto" and runner.quantization == "int8"  # the runner's own record
     final = llm.config
-    assert final.resolved and final.quantization == "int8" and final.num_kv_blocks == runner.num_blocks
+    assert isinstance(final, ResolvedConfig)
+    assert final.quantization == "int8" and final.num_kv_blocks == runner.num_blocks
     assert final.max_model_len == min(2048, runner.num_blocks * final.block_size)
     assert None not in (final.max_num_seqs, final.max_num_batched_tokens, final.long_prefill_token_threshold)

@@ -15,6 +15,8 @@ from chatapp.engine.sampling_params import SamplingParams
 from chatapp.engine.scheduler import ScheduledBatch, Scheduler
 
 BS = 4
+_CONFIG = EngineConfig(device="cpu").finalize(checkpoint_dtype=None, model_max_len=4096)
+"""A resolved config for the scheduler's update (which reads none of its budgets)."""
 
 
 def make_request(rid: str, tokens: list[int], block_size: int = BS) -> Request:
@@ -33,7 +35,7 @@ def compute(kv: KVCacheManager, req: Request, n: int, shadow: dict[int, list[int
         for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
             shadow[table[pos // kv.block_size]][pos % kv.block_size] = req.all_token_ids[pos]
     # The step's update, as the scheduler applies it (nothing is sampled in this machine).
-    Scheduler(EngineConfig(), kv).update_from_output(ScheduledBatch([req], [n]), [], [])
+    Scheduler(_CONFIG, kv).update_from_output(ScheduledBatch([req], [n]), [], [])
     return True
 
 

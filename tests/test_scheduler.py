@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.request import Request, RequestStatus
@@ -14,14 +12,13 @@ BS = 4
 
 
 def make(num_blocks: int = 64, **cfg) -> Scheduler:
-    config = dataclasses.replace(
-        EngineConfig(),
+    config = EngineConfig(
+        device="cpu",
         block_size=BS,
         max_num_seqs=cfg.get("max_num_seqs", 8),
         max_num_batched_tokens=cfg.get("budget", 32),
         long_prefill_token_threshold=cfg.get("threshold", 32),
-        max_model_len=1000,
-    )
+    ).finalize(checkpoint_dtype=None, model_max_len=1000)
     return Scheduler(config, KVCacheManager(num_blocks, BS))
 
 

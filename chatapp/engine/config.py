@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -34,9 +33,8 @@ _DTYPES = {
 class EngineConfig:
     """Everything the engine needs to know; ``None`` means "choose for me".
 
-    Frozen: :meth:`finalize` resolves a copy once, before the model runner is built, and EngineCore
-    folds in, in one place, what only loading the weights can tell (the quantization "auto" chose,
-    the KV pool's size and the context it allows). Nothing else changes a config.
+    Frozen: :meth:`finalize` resolves it once, before the model runner is built, into a
+    :class:`ResolvedConfig` with concrete types. Nothing else changes a config.
     """
 
     model: str | None = None
@@ -84,13 +82,10 @@ class EngineConfig:
     """torch intra-op threads on the CPU; None: the physical core count."""
     seed: int = 0
 
-    # Filled by finalize(); not meant to be set by users.
-    resolved: bool = field(default=False, repr=False)
-
     @classmethod
     def from_overrides(cls, model: str | None = None, **overrides: Any) -> EngineConfig:
         """Build a config from keyword overrides, rejecting unknown names clearly."""
-        known = {f.name for f in dataclasses.fields(cls) if f.name != "resolved"}
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise TypeError(
@@ -99,6 +94,95 @@ class EngineConfig:
         return cls(model=model, **overrides)
 
     # -- resolution ---------------------------------------------------------
+
+    def finalize(self, *, checkpoint_dtype: torch.dtype | None, model_max_len: int) -> ResolvedConfig:
+        """Every "auto"/None choice made from the model and machine, once, before the runner is built."""
+        device = _resolve_device(self.device)
+        dtype = _resolve_dtype(self.dtype, device, checkpoint_dtype)
+        backend = _resolve_backend(self.attention_backend, device)
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        on_gpu = device == "cuda"
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else (256 if on_gpu else 64)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 8192 if on_gpu else 1024
+        threshold = self.long_prefill_token_threshold if self.long_prefill_token_threshold is not None else budget
+        if self.kv_cache_memory_gib is not None and not self.kv_cache_memory_gib > 0:
+            raise ValueError(f"kv_cache_memory_gib must be more than 0, got {self.kv_cache_memory_gib}")
+        quantization = None if self.quantization in ("none", "") else self.quantization
+        if quantization == "auto" and device != "cpu":
+            quantization = None  # on the CPU the model runner decides, once it has the weights
+        if quantization not in (None, "auto", "gguf", "int4", "int8"):
+            raise ValueError(f"quantization must be auto, gguf, int4, int8 or None, got {quantization!r}")
+        if quantization in ("gguf", "int4", "int8") and device != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only (our CPU kernels)")
+        if not self.stream_interval_ms >= 0:
+            raise ValueError(f"stream_interval_ms must be 0 or more, got {self.stream_interval_ms}")
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", budget),
+            ("long_prefill_token_threshold", threshold),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        return ResolvedConfig(
+            model=self.model,
+            dtype=dtype,
+            device=device,
+            block_size=self.block_size,
+            kv_cache_memory_gib=self.kv_cache_memory_gib,
+            kv_cache_dtype=_resolve_kv_dtype(self.kv_cache_dtype, device, dtype, backend),
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_kv_blocks=self.num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            long_prefill_token_threshold=threshold,
+            max_model_len=min(self.max_model_len or model_max_len, model_max_len),
+            enable_prefix_caching=self.enable_prefix_caching,
+            attention_backend=backend,
+            cpu_kernels=self.cpu_kernels,
+            quantization=quantization,
+            stream_interval_ms=self.stream_interval_ms,
+            num_threads=self.num_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1,
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The engine's configuration with every choice made: what the runner, scheduler and core read.
+
+    Built only by :meth:`EngineConfig.finalize`; its fields have concrete types where EngineConfig's
+    say "choose for me" with None. EngineCore folds in, once, what only loading the weights can tell
+    (the quantization "auto" chose, the KV pool's size and the context it allows)."""
+
+    model: str | None
+    dtype: str
+    """float32, bfloat16 or float16."""
+    device: str
+    """cpu or cuda."""
+    block_size: int
+    kv_cache_memory_gib: float | None
+    """The user's cap on the pool; None: sized to the work (ModelRunner)."""
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    num_kv_blocks: int | None
+    """Before loading: a forced pool size, or None (the runner sizes it). After EngineCore folds the
+    runner's decisions in: the pool's size."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int
+    max_model_len: int
+    enable_prefix_caching: bool
+    attention_backend: str
+    """torch or triton."""
+    cpu_kernels: bool
+    quantization: str | None
+    """auto (the runner decides on the CPU), gguf, int4, int8 or None; after loading, what was applied."""
+    stream_interval_ms: float
+    num_threads: int
+    seed: int
 
     def torch_device(self) -> torch.device:
         import torch
@@ -116,43 +200,6 @@ class EngineConfig:
 
         dtype: torch.dtype = getattr(torch, _DTYPES[self.kv_cache_dtype])
         return dtype
-
-    def finalize(self, *, checkpoint_dtype: torch.dtype | None, model_max_len: int) -> EngineConfig:
-        """Return a copy with every "auto"/None field chosen from the model and machine."""
-        cfg = SimpleNamespace(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
-        cfg.device = _resolve_device(cfg.device)
-        cfg.dtype = _resolve_dtype(cfg.dtype, cfg.device, checkpoint_dtype)
-        cfg.attention_backend = _resolve_backend(cfg.attention_backend, cfg.device)
-        if cfg.block_size < 1 or cfg.block_size & (cfg.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {cfg.block_size}")
-        on_gpu = cfg.device == "cuda"
-        if cfg.max_num_seqs is None:
-            cfg.max_num_seqs = 256 if on_gpu else 64
-        if cfg.max_num_batched_tokens is None:
-            cfg.max_num_batched_tokens = 8192 if on_gpu else 1024
-        if cfg.long_prefill_token_threshold is None:
-            cfg.long_prefill_token_threshold = cfg.max_num_batched_tokens
-        cfg.max_model_len = min(cfg.max_model_len or model_max_len, model_max_len)
-        if cfg.kv_cache_memory_gib is not None and not cfg.kv_cache_memory_gib > 0:
-            raise ValueError(f"kv_cache_memory_gib must be more than 0, got {cfg.kv_cache_memory_gib}")
-        cfg.kv_cache_dtype = _resolve_kv_dtype(cfg.kv_cache_dtype, cfg.device, cfg.dtype, cfg.attention_backend)
-        if cfg.num_threads is None:
-            cfg.num_threads = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        if cfg.quantization in ("none", ""):
-            cfg.quantization = None
-        if cfg.quantization == "auto" and cfg.device != "cpu":
-            cfg.quantization = None  # on the CPU the model runner decides, once it has the weights
-        if cfg.quantization not in (None, "auto", "gguf", "int4", "int8"):
-            raise ValueError(f"quantization must be auto, gguf, int4, int8 or None, got {cfg.quantization!r}")
-        if cfg.quantization in ("gguf", "int4", "int8") and cfg.device != "cpu":
-            raise ValueError(f"quantization={cfg.quantization!r} runs on the CPU only (our CPU kernels)")
-        if not cfg.stream_interval_ms >= 0:
-            raise ValueError(f"stream_interval_ms must be 0 or more, got {cfg.stream_interval_ms}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(cfg, name)}")
-        cfg.resolved = True
-        return EngineConfig(**vars(cfg))
 
 
 def _resolve_device(device: str) -> str:

@@ -15,7 +15,7 @@ from concurrent import futures
 from typing import Any
 
 from chatapp.engine.api import EngineBusyError, EngineStats, context_length_error  # noqa: F401  (re-exported)
-from chatapp.engine.config import EngineConfig
+from chatapp.engine.config import EngineConfig, ResolvedConfig
 from chatapp.engine.guided import GrammarWorker, GuidedDecodingError
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_ref import ModelRef, resolve_model_spec
@@ -39,20 +39,18 @@ class EngineCore:
         source = open_model(self.model.path)
         self.model_config: ModelConfig = source.config
         mc = self.model_config
-        config = config.finalize(checkpoint_dtype=mc.checkpoint_dtype, model_max_len=mc.max_position_embeddings)
-        self.runner = ModelRunner(config, source)
-        assert config.max_model_len is not None  # finalize() chose it
+        resolved = config.finalize(checkpoint_dtype=mc.checkpoint_dtype, model_max_len=mc.max_position_embeddings)
+        self.runner = ModelRunner(resolved, source)
         # The runner's decisions, folded in once: the quantization it applied (for "auto"), the pool it
         # sized, and the context capped at the pool (a request must always fit the pool on its own).
-        config = dataclasses.replace(
-            config,
+        self.config: ResolvedConfig = dataclasses.replace(
+            resolved,
             quantization=self.runner.quantization,
             num_kv_blocks=self.runner.num_blocks,
-            max_model_len=min(config.max_model_len, self.runner.num_blocks * config.block_size),
+            max_model_len=min(resolved.max_model_len, self.runner.num_blocks * resolved.block_size),
         )
-        self.config = config
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
+        self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.kv)
         self._pending: list[EngineCoreOutput] = []
         self._grammars = GrammarWorker(self.model.path, mc.vocab_size, mc.eos_token_ids)
         self._compiling: dict[str, tuple[Request, futures.Future[Any]]] = {}
@@ -67,22 +65,20 @@ class EngineCore:
             "engine ready: %s on %s (%s, %s attention), KV cache %d blocks x %d tokens = %.2f GiB, "
             "max_model_len %d, loaded in %.1f s",
             self.model.name,
-            config.device,
-            config.dtype,
-            config.attention_backend,
+            self.config.device,
+            self.config.dtype,
+            self.config.attention_backend,
             self.kv.num_blocks,
-            config.block_size,
+            self.config.block_size,
             self.kv.num_blocks * self.runner.bytes_per_block() / 2**30,
-            config.max_model_len,
+            self.config.max_model_len,
             self.load_seconds,
         )
 
     @property
     def max_model_len(self) -> int:
         """The longest sequence (prompt + output) a request may reach: the resolved config's."""
-        max_model_len = self.config.max_model_len
-        assert max_model_len is not None  # resolved in __init__
-        return max_model_len
+        return self.config.max_model_len
 
     # -- requests -----------------------------------------------------------
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from chatapp.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, layer_attention
-from chatapp.engine.config import EngineConfig
+from chatapp.engine.config import ResolvedConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
 from chatapp.engine.memory import return_freed_memory
 from chatapp.engine.models.config import ModelConfig
@@ -105,16 +105,15 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    def __init__(self, config: ResolvedConfig, source: ModelSource) -> None:
         self.config = config  # resolved and frozen; what this runner decides is on the runner itself
         self.quantization: str | None = config.quantization  # "auto" becomes what was applied
         self.mc = source.config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         if self.device.type == "cpu":
-            assert config.num_threads is not None  # set by EngineConfig.finalize
             torch.set_num_threads(config.num_threads)
-        self.cpu_load = CpuLoadMonitor(config.num_threads or 1)
+        self.cpu_load = CpuLoadMonitor(config.num_threads)
         # On the CPU in float32 our C++ layer loop runs the model (with its own key layout);
         # otherwise the Python model with the torch (SDPA) or Triton attention backend.
         ext = self._cpu_extension()
@@ -173,7 +172,6 @@ class ModelRunner:
         quantized layer by layer as they load (recorded in self.quantization: int4, int8 or None)."""
         cfg = self.config
         max_model_len = cfg.max_model_len
-        assert max_model_len is not None  # set by EngineConfig.finalize
         if self._native_gguf(source, ext):
             from chatapp.engine.models.gguf_loader import load_gguf_native
 
@@ -228,7 +226,6 @@ class ModelRunner:
         per_block = self.bytes_per_block()
         if cfg.kv_cache_memory_gib is not None:
             return max(1, int(cfg.kv_cache_memory_gib * 2**30) // per_block)
-        assert cfg.max_model_len is not None  # set by EngineConfig.finalize
         wanted = KV_CONTEXTS * -(-cfg.max_model_len // self.block_size)
         spare = psutil.virtual_memory().available - weight_bytes - WORKING_MEMORY_BYTES
         return max(1, min(wanted, int(spare * KV_SHARE_OF_FREE) // per_block))
@@ -239,7 +236,6 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         n = self.config.max_num_batched_tokens
         max_model_len, max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
-        assert n is not None and max_model_len is not None and max_num_seqs is not None  # EngineConfig.finalize
         dummy_caches = self._allocate_kv_caches(1)
         backend = self._make_attention_backend(dummy_caches)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -352,7 +348,6 @@ class ModelRunner:
         meta = step.meta
         attention = sum(q * s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
         small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS and attention < SINGLE_THREAD_BELOW_ATTENTION
-        assert self.config.num_threads is not None  # set by EngineConfig.finalize
         return 1 if small and not self.cpu_load.all_threads_fit() else self.config.num_threads
 
     def _forward(self, step: _PreparedStep) -> torch.Tensor:

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from chatapp.engine.config import EngineConfig
+from chatapp.engine.config import ResolvedConfig
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.outputs import EngineCoreOutput, TokenLogprobs
 from chatapp.engine.request import Request, RequestStatus
@@ -49,7 +49,7 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: ResolvedConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -89,7 +89,6 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         threshold = cfg.long_prefill_token_threshold
         max_num_seqs = cfg.max_num_seqs
-        assert budget is not None and threshold is not None and max_num_seqs is not None, "config not finalized"
         batch = ScheduledBatch()
         preempted = False
 
