@@ -39,6 +39,12 @@ CONVERSATIONS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _fixed_log_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """F1 names the log file; the test's own temp dir would change every snapshot."""
+    monkeypatch.setattr("chatapp.tui.app.tui_log_path", lambda: Path("/home/user/.local/state/chatapp/log/tui.log"))
+
+
 def fixed_history(tmp_path: Path) -> None:
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         for title, question, answer, metrics in CONVERSATIONS:
