@@ -245,3 +245,81 @@ def test_saved_settings_holding_the_former_default_keys_get_the_new_ones(tmp_pat
     assert keys["new_session"] == DEFAULT_KEYS["new_session"] == "ctrl+t"
     assert keys["close_session"] == DEFAULT_KEYS["close_session"] != FORMER_DEFAULT_KEYS["close_session"]
     assert keys["search"] == "ctrl+g"  # the user's own choice stays
+
+
+def _visible(app: Any, widget: Any) -> bool:
+    """The widget is what the screen shows at its centre (not clipped away or covered)."""
+    region = widget.region
+    if region.width == 0 or region.height == 0:
+        return False
+    x, y = region.x + region.width // 2, region.y + region.height // 2
+    if not (0 <= x < app.size.width and 0 <= y < app.size.height):
+        return False
+    shown, _ = app.screen.get_widget_at(x, y)
+    return shown is widget or widget in shown.ancestors
+
+
+async def test_session_settings_keep_their_buttons_at_80x24(tmp_path: Path) -> None:
+    from textual.widgets import Button
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: bool(app.screen.query("#save")), "session settings")
+        await pilot.pause()
+        assert _visible(app, app.screen.query_one("#save", Button))
+        assert _visible(app, app.screen.query_one("#cancel", Button))
+
+
+async def test_the_help_table_scrolls_to_its_last_key_at_80x24(tmp_path: Path) -> None:
+    from textual.widgets import DataTable
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: bool(app.screen.query("#keys")), "help")
+        table = app.screen.query_one("#keys", DataTable)
+        await pilot.pause()
+        assert table.row_count > table.scrollable_content_region.height  # more keys than rows shown
+        assert _visible(app, table)
+        table.focus()
+        await pilot.press("ctrl+end")  # to the last row
+        await pilot.pause()
+        assert table.scroll_y == table.max_scroll_y > 0
+
+
+async def test_the_hub_search_stays_on_screen_at_60x20(tmp_path: Path) -> None:
+    from textual.widgets import Input
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: bool(app.screen.query("#hub-search")), "models")
+        await pilot.pause()
+        assert _visible(app, app.screen.query_one("#hub-search", Input))
+        assert _visible(app, app.screen.query_one("#local"))
+
+
+async def test_a_narrow_pane_keeps_the_answers_branch_and_status(tmp_path: Path) -> None:
+    from chatapp.tui.widgets.message_view import MessageView
+
+    hold = asyncio.Event()
+    app = make_app(tmp_path, FakeClient(reply="a long answer " * 5, hold=hold, hold_after=1))
+    async with app.run_test(size=(44, 30)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "q")
+        await wait_for(pilot, lambda: len(pane.conversation.path()) == 2, "streaming")
+        await pilot.press("escape")  # stopped: an incomplete answer
+        await wait_for(pilot, lambda: not pane.busy, "stopped")
+        await pilot.press("alt+r")  # a second branch
+        await wait_for(pilot, lambda: pane.busy, "regenerating")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not pane.busy, "stopped again")
+        await pilot.pause()
+        answer = pane.conversation.path()[-1]
+        view = pane.view_for(answer)
+        assert isinstance(view, MessageView) and answer.status == "incomplete"
+        header = view.query_one(".message-header")
+        lines = [strip.text for strip in header.render_lines(header.region.reset_offset)]
+        shown = " ".join(lines)
+        assert "‹ 2/2 ›" in shown and "incomplete" in shown and "FakeLM-1M" in shown.replace(" ", "")

@@ -118,3 +118,30 @@ def test_help_screen(snap_compare, tmp_path: Path) -> None:
         await pilot.pause()
 
     assert snap_compare(snapshot_app(tmp_path), terminal_size=SIZE, run_before=run_before)
+
+
+SMALL_SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((60, 20), id="60x20")]
+
+
+async def _open(pilot: Pilot, key: str | None) -> None:
+    await settle(pilot)
+    if key is None:
+        return
+    before = pilot.app.screen
+    await pilot.press(key)
+    await wait_for(pilot, lambda: pilot.app.screen is not before, f"the screen on {key}")
+    if isinstance(pilot.app.screen, ModelScreen):
+        local = pilot.app.screen.query_one("#local")
+        await wait_for(pilot, lambda: local.row_count == 2, "local models")
+    await pilot.pause()
+
+
+@pytest.mark.parametrize("size", SMALL_SIZES)
+@pytest.mark.parametrize("key", [None, "f1", "f5", "f4"], ids=["main", "help", "session_settings", "models"])
+def test_small_terminals(snap_compare, tmp_path: Path, size: tuple[int, int], key: str | None) -> None:
+    """What a laptop's split terminal shows: every screen usable at 80x24 and 60x20 (issue 18)."""
+
+    async def run_before(pilot: Pilot) -> None:
+        await _open(pilot, key)
+
+    assert snap_compare(snapshot_app(tmp_path), terminal_size=size, run_before=run_before)

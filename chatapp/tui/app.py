@@ -74,6 +74,8 @@ class ChatApp(App[None]):
 
     TITLE = "chatapp"
     CSS_PATH = [STYLES / "app.tcss", STYLES / "dialogs.tcss"]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-roomy")]
+    """Screens get "-short" under 30 rows: dialogs.tcss tightens the tall dialogs there."""
     BINDINGS = keymap.bindings("app")
 
     def __init__(

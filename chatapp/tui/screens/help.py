@@ -31,7 +31,7 @@ class HelpScreen(ModalScreen[None]):
         self._log_path = log_path
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog wide"):
+        with Vertical(classes="dialog wide tall"):
             yield Label("Keys", classes="dialog-title")
             yield DataTable(id="keys", cursor_type="row", zebra_stripes=True)
             yield Label(

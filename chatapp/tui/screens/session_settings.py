@@ -28,7 +28,7 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
     def compose(self) -> ComposeResult:
         c = self._config
         b = c.backend
-        with Vertical(classes="dialog wide"):
+        with Vertical(classes="dialog wide tall"):
             yield Label("Session settings", classes="dialog-title")
             with VerticalScroll():
                 yield Label("Title")

@@ -60,13 +60,15 @@ class MessageView(Vertical):
         node = self.node
         who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(node.role, node.role)
         text = Text(who, style="bold")
-        if node.role == "assistant" and node.model:
-            text.append(f" · {node.model}", style="dim")
+        # What the user acts on first (the branch, an unfinished answer), the model's name last: a
+        # narrow pane wraps the line rather than losing "incomplete" or "‹ 1/2 ›".
         if self.branch.count > 1:
             text.append(f"  ‹ {self.branch.index + 1}/{self.branch.count} ›", style="bold")
         label = _STATUS_LABELS.get(node.status)
         if label:
             text.append(f"  {label}", style="italic")
+        if node.role == "assistant" and node.model:
+            text.append(f" · {node.model}", style="dim")
         return text
 
     def _footer(self) -> Text:
