@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from chatapp.history import migrations
 from chatapp.history.errors import (
@@ -356,35 +356,11 @@ class HistoryStore:
 
     @staticmethod
     def _session(row: tuple[Any, ...]) -> Session:
-        (
-            sid,
-            title,
-            created,
-            updated,
-            position,
-            model,
-            system_prompt,
-            sampling,
-            kind,
-            url,
-            endpoint,
-            api_key,
-            leaf,
-            archived,
-        ) = row
-        return Session(
-            sid,
-            title,
-            created,
-            updated,
-            position,
-            model,
-            system_prompt,
-            json.loads(sampling),
-            Backend(kind, url, endpoint, api_key),
-            leaf,
-            bool(archived),
-        )
+        # The columns of _SESSION_COLUMNS in order: seven plain ones, then sampling JSON, the backend's
+        # four, the shown leaf and the archived flag.
+        plain = cast("tuple[int, str, float, float, int, str | None, str]", row[:7])
+        sampling, kind, url, endpoint, api_key, leaf, archived = row[7:]
+        return Session(*plain, json.loads(sampling), Backend(kind, url, endpoint, api_key), leaf, bool(archived))
 
     @staticmethod
     def _message(row: tuple[Any, ...]) -> Message:

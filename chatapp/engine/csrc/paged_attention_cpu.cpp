@@ -170,6 +170,15 @@ void softmax_row(float* s, int64_t n) {
   for (; p < n; ++p) s[p] = s[p] * inv[0];
 }
 
+// Head dimensions one pass of weighted_values covers for two rows. Each output element keeps its one
+// chain over positions, so every slice width gives the same bits. AVX-512's 32 registers hold two rows
+// by 128 (16 accumulators, 8 value registers); AVX2's 16 hold two rows by 32.
+#if !defined(CHATAPP_VEC_AVX2)
+constexpr int64_t kValueSlice = 128;
+#else
+constexpr int64_t kValueSlice = 32;
+#endif
+
 // out_r = sum over p <= last_r, in position order, of w_r[p] * v_p, for a few rows sharing each read
 // of v_p (R rows x C vectors of accumulators in registers). Each row's chain is the single-row one.
 template <int C, int R, typename T>
@@ -328,32 +337,21 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
           dst[r] = op + (token[g0 + r] * g.H + head[g0 + r]) * g.D;
         }
 #if !defined(CHATAPP_VEC_AVX2)
-        if (g.D == 64) {
+        if (g.D == 64) {  // the whole head in registers, for the group's rows at once
           weighted_values<4, kGroup>(w, first_key + g0, last + g0, nr, vp, table, task.kv_head, g, dst);
-        } else if (g.D % 128 == 0) {  // 128, and Gemma's 256 as two halves (each element keeps its chain)
-          for (int r = 0; r < nr; r += 2)
-            for (int64_t d0 = 0; d0 < g.D; d0 += 128) {
-              float* slice[2] = {dst[r] + d0, r + 1 < nr ? dst[r + 1] + d0 : nullptr};
-              weighted_values<8, 2>(w + r, first_key + g0 + r, last + g0 + r, std::min(2, nr - r), vp + d0, table,
-                                    task.kv_head, g, slice);
-            }
-        } else {
-          weighted_values<0, 1>(w, first_key + g0, last + g0, nr, vp, table, task.kv_head, g, dst);
-        }
-#else
-        // 16 registers: two rows by 32 dimensions at a time (8 accumulators, 4 value registers). Each
-        // output element keeps its one chain over positions, so the bits are those of the wider tiling.
-        if (g.D % 32 == 0) {
-          for (int r = 0; r < nr; r += 2)
-            for (int64_t d0 = 0; d0 < g.D; d0 += 32) {
-              float* slice[2] = {dst[r] + d0, r + 1 < nr ? dst[r + 1] + d0 : nullptr};
-              weighted_values<2, 2>(w + r, first_key + g0 + r, last + g0 + r, std::min(2, nr - r), vp + d0, table,
-                                    task.kv_head, g, slice);
-            }
-        } else {
-          weighted_values<0, 1>(w, first_key + g0, last + g0, nr, vp, table, task.kv_head, g, dst);
+          continue;
         }
 #endif
+        if (g.D % kValueSlice == 0) {  // two rows at a time, the head in slices (Gemma's 256: two of 128)
+          for (int r = 0; r < nr; r += 2)
+            for (int64_t d0 = 0; d0 < g.D; d0 += kValueSlice) {
+              float* slice[2] = {dst[r] + d0, r + 1 < nr ? dst[r + 1] + d0 : nullptr};
+              weighted_values<kValueSlice / kLanes, 2>(w + r, first_key + g0 + r, last + g0 + r, std::min(2, nr - r),
+                                                       vp + d0, table, task.kv_head, g, slice);
+            }
+        } else {
+          weighted_values<0, 1>(w, first_key + g0, last + g0, nr, vp, table, task.kv_head, g, dst);
+        }
       }
     }
   });
