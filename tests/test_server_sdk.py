@@ -512,3 +512,29 @@ def test_engine_loading_is_503_with_retry_after(served: ServedEngine) -> None:
 
 def test_engine_is_idle_after_the_module(served: ServedEngine) -> None:
     assert idle(served.wait_until(idle))
+
+
+def test_continue_final_message_goes_on_with_the_answer(
+    served: ServedEngine, sdk: OpenAI, model: str, tokenizer: Tokenizer
+) -> None:
+    """vLLM's continue_final_message: the reply continues the given assistant text, exactly as the
+    engine continues that open prompt (no new turn is started)."""
+    partial = "The capital of France is"
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": partial},
+    ]
+    out = sdk.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    ids = tokenizer.render_chat(messages, continue_final_message=True)
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith(partial)
+    expected, _ = engine_run(served, SamplingParams(max_tokens=8, temperature=0), prompt=ids)
+    assert out.choices[0].message.content == expected and expected
+    assert out.usage is not None and out.usage.prompt_tokens == len(ids)
+    plain = sdk.chat.completions.create(model=model, messages=messages[:1], max_tokens=8, temperature=0)
+    assert plain.usage is not None and plain.usage.prompt_tokens != len(ids)

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from chatapp.engine.tokenizer import TextTokenizer, Tokenizer, load_hf_tokenizer, prepare_tokenizer_files
+from chatapp.engine.tokenizer import (
+    ChatFormatError,
+    TextTokenizer,
+    Tokenizer,
+    load_hf_tokenizer,
+    prepare_tokenizer_files,
+)
 from chatapp.store import bundled_gguf_path
 
 TEXTS = [
@@ -135,3 +141,19 @@ def test_decode_cleans_up_spaces_as_transformers_does_for_a_non_bpe_model(tmp_pa
     ids = ours.encode("hello, world. it isn't", add_special_tokens=False)
     assert ids == reference.encode("hello, world. it isn't", add_special_tokens=False)
     assert ours.decode(ids) == reference.decode(ids) == "hello, world. it isn't"
+
+
+def test_continue_final_message_renders_the_answer_open(pair) -> None:
+    """vLLM's continue_final_message: the last assistant text with no end of turn and no new turn."""
+    ours, hf = pair
+    tokenizer = Tokenizer(bundled_gguf_path())
+    partial = "Rayleigh scattering makes"
+    messages = [{"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": partial}]
+    closed = ours.apply_chat_template(messages, add_generation_prompt=False)
+    open_text = closed[: closed.rindex(partial) + len(partial)]
+    assert open_text.endswith(partial) and closed != open_text  # the template closes the turn; we do not
+    ids = tokenizer.render_chat(messages, continue_final_message=True)
+    assert ids == ours.encode(open_text, add_special_tokens=False)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == open_text
+    with pytest.raises(ChatFormatError, match="end with an assistant"):
+        tokenizer.render_chat(messages[:1], continue_final_message=True)

@@ -137,8 +137,12 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> AsyncIterator[OutputDelta]:
         """Stream one request's incremental outputs; exactly one of ``prompt``/``messages``.
+
+        ``continue_final_message``: ``messages`` ends with an assistant answer to go on with (one cut
+        at the token limit); the new text continues it instead of starting a new turn.
 
         Raises InvalidRequestError before the first item for a request that can
         never run, EngineDeadError if the engine dies. Each item carries the new

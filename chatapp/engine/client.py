@@ -298,13 +298,14 @@ class AsyncEngineClient:
         request_id: str | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> AsyncIterator[OutputDelta]:
         """Stream one request's deltas (see api.EngineClient.generate); closing early aborts it."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", "params")
         self._require_ready()
-        text, token_ids = self._tokenize(prompt, messages, params)
+        text, token_ids = self._tokenize(prompt, messages, params, continue_final_message)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -381,7 +382,11 @@ class AsyncEngineClient:
         raise EngineBusyError(f"the engine is not ready ({self.state}: {self.state_detail}); retry shortly")
 
     def _tokenize(
-        self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None, params: SamplingParams
+        self,
+        prompt: str | list[int] | None,
+        messages: list[dict[str, Any]] | None,
+        params: SamplingParams,
+        continue_final_message: bool = False,
     ) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids), or InvalidRequestError naming the bad field."""
         assert self._tokenizer is not None and self._model_info is not None
@@ -391,7 +396,7 @@ class AsyncEngineClient:
         if messages is not None:
             param = "messages"
             try:
-                token_ids = self._tokenizer.render_chat(messages)
+                token_ids = self._tokenizer.render_chat(messages, continue_final_message=continue_final_message)
             except ChatFormatError as exc:
                 raise InvalidRequestError(str(exc), "messages") from exc
         else:

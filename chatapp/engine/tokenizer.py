@@ -278,18 +278,31 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of a conversation, reusing the exact ids of answers we generated.
 
         tools: OpenAI tool definitions, for a template that renders them (see engine/tools.py).
+        continue_final_message: the last message is an assistant answer to go on with (one cut at the
+        token limit): it is rendered open, with no end of turn after it and no new turn (vLLM's flag).
         """
         messages = normalize_messages(messages)
         if not self.hf.chat_template:
             raise ChatFormatError("this model has no chat template; use a plain completion prompt")
+        if continue_final_message:
+            if not messages or messages[-1]["role"] != "assistant" or not messages[-1]["content"]:
+                raise ChatFormatError("continue_final_message needs the conversation to end with an assistant's text")
+            add_generation_prompt = False
         try:
             text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except Exception as exc:  # templates raise their own errors (e.g. "roles must alternate")
             raise ChatFormatError(f"the model's chat template rejected the conversation: {exc}") from exc
+        if continue_final_message:
+            final = messages[-1]["content"]
+            end = text.rfind(final)
+            if end == -1:
+                raise ChatFormatError("the model's chat template changed the final message; it cannot be continued")
+            text = text[: end + len(final)]
         ids: list[int] = []
         pos = 0
         for message in messages:

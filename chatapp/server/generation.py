@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -40,18 +41,28 @@ _INLINE_TOKENIZE_CHARS = 16_384
 # -- prompts --------------------------------------------------------------------
 
 
-async def _maybe_in_thread(size: int, fn: Any, *args: Any) -> Any:
+async def _maybe_in_thread(size: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
     if size <= _INLINE_TOKENIZE_CHARS:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
+        return fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
 
 
 async def render_chat(
-    client: EngineClient, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    client: EngineClient,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of a conversation (raises ChatFormatError for a bad one)."""
     size = sum(len(str(m.get("content") or "")) for m in messages)
-    return await _maybe_in_thread(size, client.tokenizer.render_chat, messages, True, tools)
+    render = functools.partial(
+        client.tokenizer.render_chat,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    return await _maybe_in_thread(size, render, messages, tools=tools)
 
 
 async def encode(client: EngineClient, text: str) -> list[int]:

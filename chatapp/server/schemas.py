@@ -135,6 +135,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: go on with the final assistant message (rendered open, no new turn), e.g. after "length".
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
     # Known but unsupported: refused with a 400 naming the field when set.
     functions: list[Any] | None = None
     function_call: Any = None

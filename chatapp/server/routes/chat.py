@@ -96,7 +96,13 @@ async def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJ
     if plan is not None:
         messages, template_tools = plan.prompt(messages)
     try:
-        prompt = await gen.render_chat(client, messages, template_tools)
+        prompt = await gen.render_chat(
+            client,
+            messages,
+            template_tools,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
     except Exception as exc:  # noqa: BLE001  ChatFormatError and friends -> 400
         raise state.error(exc, "messages") from None
     gen.check_context(prompt, info.max_model_len, max_tokens, "messages")
