@@ -98,11 +98,12 @@ def test_older_database_is_upgraded_keeping_its_data(db_path, monkeypatch):
     def add_pinned(conn: sqlite3.Connection) -> None:
         conn.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
 
+    current = len(history.MIGRATIONS)
     monkeypatch.setattr(history.migrations, "MIGRATIONS", [*history.MIGRATIONS, add_pinned])
     with HistoryStore(db_path) as store:
         assert [m.content for m in store.path(s.id)] == ["hello"]
         assert store._conn.execute("SELECT pinned FROM sessions").fetchall() == [(0,)]
-    assert raw(db_path).execute("PRAGMA user_version").fetchone()[0] == 2
+    assert raw(db_path).execute("PRAGMA user_version").fetchone()[0] == current + 1
 
 
 def test_failed_upgrade_rolls_back_completely(db_path, monkeypatch):
@@ -113,11 +114,12 @@ def test_failed_upgrade_rolls_back_completely(db_path, monkeypatch):
         conn.execute("ALTER TABLE sessions ADD COLUMN pinned INTEGER")
         conn.execute("THIS IS NOT SQL")
 
+    current = len(history.MIGRATIONS)
     monkeypatch.setattr(history.migrations, "MIGRATIONS", [*history.MIGRATIONS, half_done])
     with pytest.raises(HistoryOpenError, match="cannot upgrade .* left as it was"):
         HistoryStore(db_path)
     conn = raw(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == current
     columns = [row[1] for row in conn.execute("PRAGMA table_info(sessions)")]
     assert "pinned" not in columns
     assert conn.execute("SELECT title FROM sessions").fetchall() == [("kept",)]
@@ -696,3 +698,35 @@ def test_the_history_is_readable_by_its_owner_alone(tmp_path: Path, monkeypatch:
     with HistoryStore(old):
         pass
     assert mode(old) == 0o600
+
+
+def test_a_version_1_history_gains_truncation_marks_and_drafts(db_path):
+    """Schema 2: answers say whether they stopped at the token limit, sessions keep a draft."""
+    from chatapp.history.migrations import v1
+
+    conn = sqlite3.connect(db_path)  # a file written by a chatapp that knew schema 1
+    v1.migrate(conn)
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO sessions (id, title, created_at, updated_at, position) VALUES (1, 'old', 0, 0, 0)")
+    conn.execute("INSERT INTO messages (id, session_id, role, content, created_at) VALUES (1, 1, 'user', 'hi', 0)")
+    conn.execute(
+        "INSERT INTO messages (id, session_id, parent_id, role, content, created_at) "
+        "VALUES (2, 1, 1, 'assistant', 'hello', 0)"
+    )
+    conn.commit()
+    conn.close()
+    with HistoryStore(db_path) as store:
+        assert raw(db_path).execute("PRAGMA user_version").fetchone()[0] == 2
+        s, q = store.get_session(1), store.get_message(1)
+        assert s.title == "old" and [m.content for m in store.path(s.id)] == ["hi", "hello"]
+        assert s.draft == "" and [m.truncated for m in store.path(s.id)] == [False, False]
+        store.update_session(s.id, draft="half a thought")
+        answer = store.start_answer(s.id, q.id, model="m")
+        store.finish_message(answer.id, "a long answer that", truncated=True)
+    with HistoryStore(db_path) as store:
+        assert store.get_session(s.id).draft == "half a thought"
+        assert store.get_message(answer.id).truncated is True
+        exported = store.export_json(s.id)
+        copy = store.import_json(exported)
+        assert [m.truncated for m in store.path(copy.id)] == [False, True]
+        assert "stopped at the token limit" in store.export_markdown(s.id)

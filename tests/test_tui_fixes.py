@@ -323,3 +323,108 @@ async def test_a_narrow_pane_keeps_the_answers_branch_and_status(tmp_path: Path)
         lines = [strip.text for strip in header.render_lines(header.region.reset_offset)]
         shown = " ".join(lines)
         assert "‹ 2/2 ›" in shown and "incomplete" in shown and "FakeLM-1M" in shown.replace(" ", "")
+
+
+async def test_an_answer_cut_at_the_token_limit_is_marked_and_continues_in_place(tmp_path: Path) -> None:
+    client = FakeClient(reply="one two three ", finish_reason="length")
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "count")
+        await wait_for(pilot, lambda: answered(pane), "the first part")
+        answer = pane.conversation.path()[-1]
+        assert answer.truncated and answer.status == "complete"
+        header = pane.view_for(answer).query_one(".message-header")
+        assert "stopped at the token limit" in str(header.render())
+        client.reply, client.finish_reason = "four five", "stop"
+        await pilot.press("alt+n")
+        await wait_for(pilot, lambda: len(client.requests) == 2 and answered(pane), "the continuation")
+        sent = client.requests[1]
+        assert sent["continue"] is True
+        assert sent["messages"] == [
+            {"role": "user", "content": "count"},
+            {"role": "assistant", "content": "one two three "},
+        ]
+        assert pane.conversation.path() == [answer.parent, answer]  # the same message grew
+        assert answer.content == "one two three four five" and not answer.truncated
+        assert pane.view_for(answer).body.source == "one two three four five"
+        assert "token limit" not in str(pane.view_for(answer).query_one(".message-header").render())
+        await pilot.press("alt+n")  # nothing left to continue: told, nothing sent
+        await pilot.pause()
+        assert len(client.requests) == 2
+        session_id = pane.config.db_id
+        await app.action_quit()
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        stored = store.path(session_id)[-1]
+    assert (stored.content, stored.truncated) == ("one two three four five", False)
+
+
+async def test_a_stored_cut_answer_is_marked_after_a_restart(tmp_path: Path) -> None:
+    app = make_app(tmp_path, FakeClient(reply="cut short", finish_reason="length"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "q")
+        await wait_for(pilot, lambda: answered(pane), "answer")
+        await app.action_quit()
+    again = make_app(tmp_path, FakeClient())
+    async with again.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: len(panes(again)[0].conversation.path()) == 2, "history loaded")
+        answer = panes(again)[0].conversation.path()[-1]
+        assert answer.truncated
+        assert "stopped at the token limit" in str(
+            panes(again)[0].view_for(answer).query_one(".message-header").render()
+        )
+
+
+async def test_a_draft_survives_a_restart_and_is_cleared_once_sent(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        pane.prompt.focus()
+        await pilot.press(*"half a thought")
+        session_id = pane.config.db_id
+        await app.action_quit()  # well before the draft's 1 s rest: the pane saves it as it goes
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        assert store.get_session(session_id).draft == "half a thought"
+    client = FakeClient()
+    again = make_app(tmp_path, client)
+    async with again.run_test(size=(120, 40)) as pilot:
+        pane = panes(again)[0]
+        await wait_for(pilot, lambda: pane.prompt.text == "half a thought", "the draft restored")
+        pane.prompt.focus()
+        await pilot.press("end", *", finished", "enter")
+        await wait_for(pilot, lambda: answered(pane), "the answer")
+        assert client.requests[0]["messages"][-1]["content"] == "half a thought, finished"
+        assert pane.prompt.text == ""
+        with HistoryStore(tmp_path / "history.sqlite3") as store:
+            assert store.get_session(session_id).draft == ""
+
+
+async def test_closing_a_pane_with_an_unsent_message_asks_first(tmp_path: Path) -> None:
+    from chatapp.tui.screens.confirm import ConfirmScreen
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: len(panes(app)) == 2, "two panes")
+        pane = panes(app)[1]
+        pane.prompt.focus()
+        await pilot.press(*"do not lose me")
+        await pilot.press("f8")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "asked")
+        await pilot.press("escape")  # no: the pane and its text stay
+        await wait_for(pilot, lambda: not isinstance(app.screen, ConfirmScreen), "dialog closed")
+        assert len(panes(app)) == 2 and pane.prompt.text == "do not lose me"
+        await pilot.press("f8")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "asked again")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: len(panes(app)) == 1, "closed")
+        session_id = pane.config.db_id
+        empty = panes(app)[0]
+        empty.prompt.focus()
+        await pilot.press("f8")  # nothing typed: closes at once (a fresh pane replaces the last)
+        await wait_for(pilot, lambda: empty not in panes(app), "closed without asking")
+        assert not isinstance(app.screen, ConfirmScreen)
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        closed = store.get_session(session_id)
+    assert closed.archived and closed.draft == "do not lose me"

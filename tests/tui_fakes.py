@@ -44,6 +44,8 @@ class FakeClient:
     chunk: int = 4
     hold: asyncio.Event | None = None
     hold_after: int = 2
+    finish_reason: str = "stop"
+    """How every stream ends ("length": cut at the token limit)."""
     state: str = "ready"
     model_info: ModelInfo = INFO
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -81,11 +83,14 @@ class FakeClient:
         request_id: str | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> AsyncIterator[OutputDelta]:
         if self.state == "dead":
             raise EngineDeadError("the fake engine is dead")
         rid = request_id or f"fake-{len(self.requests)}"
-        self.requests.append({"messages": messages, "params": params, "request_id": rid})
+        self.requests.append(
+            {"messages": messages, "params": params, "request_id": rid, "continue": continue_final_message}
+        )
         text = self.reply_for(messages or [])
         pieces = [text[i : i + self.chunk] for i in range(0, len(text), self.chunk)]
         n = 0
@@ -96,7 +101,7 @@ class FakeClient:
                 n += 1
                 await asyncio.sleep(0)
                 yield OutputDelta(rid, piece, [n], None, False, None, None, 10, n, 0)
-            yield OutputDelta(rid, "", [], None, True, "stop", None, 10, n, 0)
+            yield OutputDelta(rid, "", [], None, True, self.finish_reason, None, 10, n, 0)
         except (GeneratorExit, asyncio.CancelledError):  # closed or cancelled mid-stream: the engine aborts
             self.aborted.append(rid)
             raise

@@ -39,6 +39,7 @@ def _message_dict(m: Message) -> dict[str, Any]:
             "ttft_ms": metrics.ttft_ms,
         },
         "error": m.error,
+        "truncated": m.truncated,
     }
 
 
@@ -60,6 +61,8 @@ def _markdown(session: Session, messages: list[Message]) -> str:
             lines += ["> *This answer was still being written when exported.*", ""]
         elif m.status == "error":
             lines += [f"> *Error: {m.error or 'the answer failed'}*", ""]
+        elif m.truncated:
+            lines += ["> *This answer stopped at the token limit.*", ""]
         if m.metrics is not None:
             lines += [f"*{m.metrics.describe(with_prompt=True)}*", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
@@ -148,6 +151,7 @@ def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, 
                     ),
                     "ttft_ms": _field(metrics, "ttft_ms", (int, float), f"{where}.metrics", optional=True),
                     "error": _field(m, "error", str, where, optional=True),
+                    "truncated": bool(_field(m, "truncated", bool, where, optional=True)),
                 },
             )
         )

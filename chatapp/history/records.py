@@ -108,6 +108,8 @@ class Session:
     selected_leaf_id: int | None
     """The message whose root path is shown; None means the newest message."""
     archived: bool
+    draft: str = ""
+    """What was typed in the pane's prompt and not sent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,8 @@ class Message:
     metrics: Metrics | None = None
     error: str | None = None
     """Why the answer failed, when ``status == "error"``."""
+    truncated: bool = False
+    """The answer stopped at the token limit (max_tokens or the context's end): it can be continued."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -334,6 +334,7 @@ class HistoryStore:
             "backend_api_key",
             "selected_leaf_id",
             "archived",
+            "draft",
         )
     )
     _MESSAGE_FIELDS: Final = (
@@ -350,6 +351,7 @@ class HistoryStore:
         "tokens_per_second",
         "ttft_ms",
         "error",
+        "truncated",
     )
     _MESSAGE_COLUMNS: Final = ", ".join(_MESSAGE_FIELDS)
     _MESSAGE_COLUMNS_M: Final = ", ".join("m." + name for name in _MESSAGE_FIELDS)
@@ -357,10 +359,11 @@ class HistoryStore:
     @staticmethod
     def _session(row: tuple[Any, ...]) -> Session:
         # The columns of _SESSION_COLUMNS in order: seven plain ones, then sampling JSON, the backend's
-        # four, the shown leaf and the archived flag.
+        # four, the shown leaf, the archived flag and the draft.
         plain = cast("tuple[int, str, float, float, int, str | None, str]", row[:7])
-        sampling, kind, url, endpoint, api_key, leaf, archived = row[7:]
-        return Session(*plain, json.loads(sampling), Backend(kind, url, endpoint, api_key), leaf, bool(archived))
+        sampling, kind, url, endpoint, api_key, leaf, archived, draft = row[7:]
+        backend = Backend(kind, url, endpoint, api_key)
+        return Session(*plain, json.loads(sampling), backend, leaf, bool(archived), draft)
 
     @staticmethod
     def _message(row: tuple[Any, ...]) -> Message:
@@ -378,10 +381,21 @@ class HistoryStore:
             tps,
             ttft,
             error,
+            truncated,
         ) = row
         metrics = Metrics(prompt_tokens, completion_tokens, tps, ttft)
         return Message(
-            mid, sid, parent, role, content, status, created, model, None if metrics.is_empty() else metrics, error
+            mid,
+            sid,
+            parent,
+            role,
+            content,
+            status,
+            created,
+            model,
+            None if metrics.is_empty() else metrics,
+            error,
+            bool(truncated),
         )
 
     def _get_session(self, conn: sqlite3.Connection, session_id: int) -> Session:
@@ -456,9 +470,12 @@ class HistoryStore:
         sampling: Mapping[str, Any] | None = _UNSET,
         backend: Backend = _UNSET,
         archived: bool = _UNSET,
+        draft: str = _UNSET,
     ) -> Session:
         """Change only the fields given. Archiving or restoring moves the session to the end."""
         changes: dict[str, Any] = {}
+        if draft is not _UNSET:
+            changes["draft"] = draft
         if title is not _UNSET:
             changes["title"] = title
         if model is not _UNSET:
@@ -576,20 +593,22 @@ class HistoryStore:
         status: Status = "complete",
         metrics: Metrics | None = None,
         error: str | None = None,
+        truncated: bool = False,
     ) -> Message:
-        """Store an answer's final text, status and metrics."""
+        """Store an answer's final text, status and metrics (``truncated``: it stopped at the token limit)."""
         _check_choice(status, FINAL_STATUSES, "a finished message's status")
         metrics = metrics or Metrics()
         now = time.time()
         with self._write() as conn:
             message = self._get_message(conn, message_id)
             conn.execute(
-                "UPDATE messages SET content = ?, status = ?, writer = NULL, error = ?, prompt_tokens = ?, "
-                "completion_tokens = ?, tokens_per_second = ?, ttft_ms = ? WHERE id = ?",
+                "UPDATE messages SET content = ?, status = ?, writer = NULL, error = ?, truncated = ?, "
+                "prompt_tokens = ?, completion_tokens = ?, tokens_per_second = ?, ttft_ms = ? WHERE id = ?",
                 (
                     content,
                     status,
                     error,
+                    int(truncated),
                     metrics.prompt_tokens,
                     metrics.completion_tokens,
                     metrics.tokens_per_second,
@@ -827,8 +846,8 @@ class HistoryStore:
             for old_id, m in messages:  # parents come before their replies (checked by _parse_export)
                 cursor = conn.execute(
                     "INSERT INTO messages (session_id, parent_id, role, content, status, created_at, model, "
-                    "prompt_tokens, completion_tokens, tokens_per_second, ttft_ms, error) "
-                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    "prompt_tokens, completion_tokens, tokens_per_second, ttft_ms, error, truncated) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         new_session,
                         new_ids.get(m["parent_id"]),
@@ -842,6 +861,7 @@ class HistoryStore:
                         m["tokens_per_second"],
                         m["ttft_ms"],
                         m["error"],
+                        int(m["truncated"]),
                     ),
                 )
                 new_ids[old_id] = _inserted_id(cursor)

@@ -190,6 +190,7 @@ class ChatApp(App[None]):
         main = self._main()
         if main is not None:
             for pane in main.panes:
+                pane.save_draft()  # typed but not sent: back in the prompt next time
                 pane.stop()
             await self.workers.wait_for_complete([w for w in self.workers if w.group == "generate"])
         if self._server is not None:

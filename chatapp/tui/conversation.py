@@ -29,6 +29,8 @@ class Node:
     model: str | None = None
     metrics: Metrics | None = None
     error: str | None = None
+    truncated: bool = False
+    """The answer stopped at the token limit; Continue goes on with it."""
     db_id: int | None = None
     children: list[Node] = field(default_factory=list)
     key: int = field(default_factory=lambda: next(_keys))
@@ -73,6 +75,7 @@ class Conversation:
                 model=m.model,
                 metrics=m.metrics,
                 error=m.error,
+                truncated=m.truncated,
                 db_id=m.id,
             )
             (parent.children if parent is not None else conv.roots).append(node)
@@ -103,6 +106,7 @@ class Conversation:
                     m.get("model"),
                     metrics,
                     m.get("error"),
+                    bool(m.get("truncated")),
                 )
             )
         return cls.from_messages(messages, data["session"].get("selected_leaf_id"))

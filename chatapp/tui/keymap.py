@@ -54,6 +54,7 @@ ACTIONS: tuple[Action, ...] = (
     Action("stop", "stop", "Stop the answer being generated", "escape", "chat"),
     Action("regenerate", "regenerate", "Regenerate the last answer (a new branch)", "alt+r", "chat"),
     Action("edit_message", "edit_message", "Edit and resend your last message (a new branch)", "alt+e", "chat"),
+    Action("continue_answer", "continue_answer", "Continue an answer that stopped at the token limit", "alt+n", "chat"),
     Action("previous_branch", "previous_branch", "Show the previous branch of a turn", "alt+left", "chat"),
     Action("next_branch", "next_branch", "Show the next branch of a turn", "alt+right", "chat"),
     Action("copy_answer", "copy_answer", "Copy the last answer to the clipboard", "ctrl+o", "chat"),

@@ -122,4 +122,5 @@ class Recorder:
             status=node.status if node.status != "streaming" else "complete",
             metrics=node.metrics or Metrics(),
             error=node.error,
+            truncated=node.truncated,
         )

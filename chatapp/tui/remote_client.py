@@ -49,6 +49,7 @@ class RemoteClient:
         request_id: str | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> AsyncIterator[OutputDelta]:
         """Stream one chat completion as OutputDelta items (the last one finished, with usage)."""
         import openai
@@ -64,6 +65,8 @@ class RemoteClient:
             kwargs["seed"] = params.seed
         if params.stop_strings:
             kwargs["stop"] = list(params.stop_strings)
+        if continue_final_message:  # vLLM's (and ours); a server without it may refuse the request
+            kwargs["extra_body"] = {"continue_final_message": True, "add_generation_prompt": False}
         try:
             stream = await self._client.chat.completions.create(
                 model=self.model,

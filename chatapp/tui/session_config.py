@@ -40,11 +40,19 @@ class SessionConfig:
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     backend: Backend = field(default_factory=Backend.local)
     db_id: int | None = None
+    draft: str = ""
+    """The unsent prompt text saved with the session (restored into the pane's prompt)."""
 
     @classmethod
     def from_session(cls, session: Session) -> SessionConfig:
         return cls(
-            session.title, session.model, session.system_prompt, dict(session.sampling), session.backend, session.id
+            session.title,
+            session.model,
+            session.system_prompt,
+            dict(session.sampling),
+            session.backend,
+            session.id,
+            session.draft,
         )
 
     @property

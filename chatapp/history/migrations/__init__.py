@@ -6,8 +6,9 @@ import sqlite3
 from collections.abc import Callable
 
 from chatapp.history.migrations.v1 import migrate as _migrate_to_v1
+from chatapp.history.migrations.v2 import migrate as _migrate_to_v2
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_v1]
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [_migrate_to_v1, _migrate_to_v2]
 """Migration i brings a database from version i to i + 1. Only ever append."""
 
 

@@ -17,6 +17,7 @@ from textual.widgets import Tab, Tabs
 from chatapp.tui import keymap
 from chatapp.tui.code_blocks import code_blocks
 from chatapp.tui.conversation import Conversation
+from chatapp.tui.screens.confirm import ConfirmScreen
 from chatapp.tui.screens.rename import RenameScreen
 from chatapp.tui.screens.session_settings import SessionSettingsScreen
 from chatapp.tui.session_config import SessionConfig
@@ -163,10 +164,19 @@ class MainScreen(Screen[None]):
         config = self.services.create_session_config()
         await self.add_pane(config, Conversation())
 
+    @work
     async def action_close_session(self) -> None:
         pane = self.active_pane
         if pane is None:
             return
+        if pane.prompt.text.strip() and pane.editing is None:
+            question = (
+                f"Close {pane.config.title or 'this session'}? Its unsent message is kept with it "
+                "and comes back when you reopen it from the sessions list."
+            )
+            if not await self.app.push_screen_wait(ConfirmScreen(question, yes="Close")):
+                return
+        pane.save_draft()
         pane.stop()
         index = self.panes.index(pane)
         self.services.recorder.update_session(pane.config.db_id, archived=True)
@@ -225,6 +235,10 @@ class MainScreen(Screen[None]):
     async def action_regenerate(self) -> None:
         if (pane := self.active_pane) is not None:
             await pane.regenerate()
+
+    async def action_continue_answer(self) -> None:
+        if (pane := self.active_pane) is not None:
+            await pane.continue_answer()
 
     def action_edit_message(self) -> None:
         if (pane := self.active_pane) is not None:

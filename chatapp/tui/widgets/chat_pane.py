@@ -22,7 +22,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
 from textual.timer import Timer
-from textual.widgets import Markdown, Static
+from textual.widgets import Markdown, Static, TextArea
 from textual.widgets.markdown import MarkdownStream
 from textual.worker import Worker
 
@@ -43,6 +43,8 @@ _RUN = uuid.uuid4().hex[:8]
 """Makes request ids unique among the TUIs (processes) that share one engine."""
 SAVE_S = 0.5
 """How often a streaming answer's text so far is saved to the history."""
+DRAFT_SAVE_S = 1.0
+"""How long the prompt rests before its unsent text is saved with the session."""
 RATE_MIN_S = 0.05
 """Shortest span a tokens-per-second figure is taken over: a rate over a few tokens in a millisecond
 (a stream cut off at once, the engine dying) is noise, not speed."""
@@ -82,6 +84,8 @@ class ChatPane(Vertical):
         self._last_save = 0.0
         self._first_token: float | None = None
         self._n_out = 0
+        self._draft_timer: Timer | None = None
+        self._typed = config.draft  # the prompt's text as of its last change (kept here for on_unmount)
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -102,6 +106,32 @@ class ChatPane(Vertical):
         self.update_titles()
         await self.show_path()
         self.log_view.anchor()
+        if self.config.draft:
+            self.prompt.text = self.config.draft
+            self.prompt.move_cursor(self.prompt.document.end)
+
+    # -- the draft ----------------------------------------------------------------------------
+
+    def on_text_area_changed(self, event: TextArea.Changed) -> None:
+        if event.text_area is not self.prompt or self.editing is not None:
+            return  # an edit of a sent message is not a draft
+        self._typed = event.text_area.text
+        if self._draft_timer is not None:
+            self._draft_timer.stop()
+        self._draft_timer = self.set_timer(DRAFT_SAVE_S, self.save_draft)
+
+    def save_draft(self) -> None:
+        """Keep the prompt's unsent text with the session (at rest, on send, when the pane goes)."""
+        if self._draft_timer is not None:
+            self._draft_timer.stop()
+            self._draft_timer = None
+        text = "" if self.editing is not None else self._typed
+        if text != self.config.draft:
+            self.config.draft = text
+            self.services.recorder.update_session(self.config.db_id, draft=text)
+
+    def on_unmount(self) -> None:
+        self.save_draft()
 
     def update_titles(self) -> None:
         self.border_title = self.config.title or "Untitled"
@@ -165,6 +195,8 @@ class ChatPane(Vertical):
         self.services.recorder.save(self.config.db_id, user)
         self.editing = None
         self.prompt.clear()
+        self._typed = ""
+        self.save_draft()
         await self.start_answer(user)
         return True
 
@@ -224,6 +256,22 @@ class ChatPane(Vertical):
 
     # -- streaming --------------------------------------------------------------------------
 
+    async def continue_answer(self) -> None:
+        """Go on with the shown answer where it stopped at the token limit (the same message grows)."""
+        if self.busy:
+            self.app.notify("Stop the current answer first (Esc).", severity="warning")
+            return
+        answer = self.conversation.leaf
+        if answer is None or answer.role != "assistant" or not answer.truncated or not answer.content:
+            self.app.notify("Only an answer that stopped at the token limit can be continued.", severity="warning")
+            return
+        answer.status, answer.truncated = "streaming", False
+        view = self.view_for(answer)
+        if view is not None:
+            view.refresh_meta()
+        self.busy = True
+        self._worker = self._generate(answer, continuing=True)
+
     async def start_answer(self, question: Node) -> None:
         model = self.config.model if self.config.is_remote else self.services.local_model_name()
         answer = self.conversation.add(question, "assistant", "", status="streaming", model=model)
@@ -233,7 +281,8 @@ class ChatPane(Vertical):
         self._worker = self._generate(answer)
 
     @work(group="generate", exit_on_error=False)
-    async def _generate(self, answer: Node) -> None:
+    async def _generate(self, answer: Node, continuing: bool = False) -> None:
+        """Stream an answer into ``answer``; ``continuing``: its text so far is kept and extended."""
         view = self.view_for(answer)
         assert view is not None
         self._stream = Markdown.get_stream(view.body)
@@ -249,7 +298,14 @@ class ChatPane(Vertical):
             params = self.config.sampling_params()
             client = await self.services.client_for(self.config)
             messages = self.conversation.chat_messages(self.config.system_prompt, answer.parent)
-            gen = client.generate(messages=messages, params=params, request_id=f"tui-{_RUN}-{answer.key}")
+            if continuing:
+                messages.append({"role": "assistant", "content": answer.content})
+            gen = client.generate(
+                messages=messages,
+                params=params,
+                request_id=f"tui-{_RUN}-{answer.key}" + (f"-{len(answer.content)}" if continuing else ""),
+                continue_final_message=continuing,
+            )
             try:
                 async for delta in gen:
                     n_prompt, n_out = delta.num_prompt_tokens, delta.num_output_tokens
@@ -343,6 +399,7 @@ class ChatPane(Vertical):
         answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete", None: "incomplete"}.get(
             finish, "error"
         )
+        answer.truncated = finish == "length"
         if answer.status == "error":
             answer.error = error or "the answer failed"
         answer.metrics = Metrics(

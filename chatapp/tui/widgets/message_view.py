@@ -18,7 +18,7 @@ class MessageView(Vertical):
     """Renders a :class:`Node`; the pane streams into :attr:`body` while an answer is written."""
 
     def __init__(self, node: Node, branch: Branch) -> None:
-        super().__init__(classes=f"message {node.role} status-{node.status}")
+        super().__init__(classes=f"message {node.role} status-{node.status}" + (" truncated" if node.truncated else ""))
         self.node = node
         self.branch = branch
         self._thought = ""  # the think block streamed so far
@@ -67,6 +67,8 @@ class MessageView(Vertical):
         label = _STATUS_LABELS.get(node.status)
         if label:
             text.append(f"  {label}", style="italic")
+        elif node.truncated:
+            text.append("  stopped at the token limit", style="italic")
         if node.role == "assistant" and node.model:
             text.append(f" · {node.model}", style="dim")
         return text
@@ -81,6 +83,7 @@ class MessageView(Vertical):
         """Redraw the header and footer after the node's status, branch or metrics changed."""
         self.remove_class(*(f"status-{s}" for s in ("complete", "streaming", "incomplete", "error")))
         self.add_class(f"status-{self.node.status}")
+        self.set_class(self.node.truncated, "truncated")
         self.query_one(".message-header", Static).update(self._header())
         if self.node.role == "assistant":
             self.query_one(".message-footer", Static).update(self._footer())
