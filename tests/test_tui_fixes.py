@@ -428,3 +428,30 @@ async def test_closing_a_pane_with_an_unsent_message_asks_first(tmp_path: Path) 
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         closed = store.get_session(session_id)
     assert closed.archived and closed.draft == "do not lose me"
+
+
+async def test_session_settings_set_every_sampling_parameter(tmp_path: Path) -> None:
+    from textual.widgets import Input, TextArea
+
+    client = FakeClient()
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: bool(app.screen.query("#s-min_p")), "session settings")
+        values = {"min_p": "0.05", "presence_penalty": "0.5", "frequency_penalty": "0.25", "top_k": "40"}
+        for name, value in values.items():
+            app.screen.query_one(f"#s-{name}", Input).value = value
+        app.screen.query_one("#s-stop", TextArea).text = "END\nSTOP HERE\n"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is main_screen(app), "saved")
+        await send(pilot, pane, "q")
+        await wait_for(pilot, lambda: answered(pane), "answer")
+        params = client.requests[0]["params"]
+        assert (params.min_p, params.presence_penalty, params.frequency_penalty, params.top_k) == (0.05, 0.5, 0.25, 40)
+        assert params.stop_strings == ("END", "STOP HERE")
+        session_id = pane.config.db_id
+        await app.action_quit()
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        sampling = store.get_session(session_id).sampling
+    assert sampling["stop"] == ["END", "STOP HERE"] and sampling["min_p"] == 0.05

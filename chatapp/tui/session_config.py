@@ -21,8 +21,10 @@ SAMPLING_FIELDS: dict[str, type] = {
     "repetition_penalty": float,
     "presence_penalty": float,
     "frequency_penalty": float,
+    "stop": list,
 }
-"""The sampling parameters a session may set (a subset of SamplingParams), with their types."""
+"""The sampling parameters a session may set (every one of SamplingParams a chat needs), with their types;
+``stop`` is a list of strings (one a line in the form)."""
 
 
 class SessionConfigError(ValueError):
@@ -81,6 +83,9 @@ def parse_sampling(values: dict[str, str]) -> dict[str, Any]:
         kind = SAMPLING_FIELDS.get(name)
         if kind is None:
             raise SessionConfigError(f"unknown sampling setting {name!r}")
+        if kind is list:
+            out[name] = [line for line in text.splitlines() if line]
+            continue
         try:
             out[name] = kind(text)
         except ValueError:

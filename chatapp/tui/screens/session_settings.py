@@ -12,7 +12,12 @@ from textual.widgets import Button, Input, Label, Select, TextArea
 from chatapp.history import Backend
 from chatapp.tui.session_config import SessionConfig, SessionConfigError, parse_sampling
 
-_SAMPLING_SHOWN = ("temperature", "top_p", "top_k", "max_tokens", "seed", "repetition_penalty")
+_SAMPLING_ROWS = (
+    ("temperature", "top_p", "top_k", "min_p", "max_tokens"),
+    ("seed", "repetition_penalty", "presence_penalty", "frequency_penalty"),
+)
+"""Every number a session's answers are sampled with, as two rows of fields (stop strings below them)."""
+_SAMPLING_SHOWN = (*_SAMPLING_ROWS[0], *_SAMPLING_ROWS[1], "stop")
 
 
 class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
@@ -35,12 +40,16 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
                 yield Input(c.title, id="title")
                 yield Label("System prompt")
                 yield TextArea(c.system_prompt, id="system-prompt", classes="short-text")
-                with Horizontal(classes="fields"):
-                    for name in _SAMPLING_SHOWN:
-                        with Vertical(classes="field"):
-                            yield Label(name)
-                            value = c.sampling.get(name)
-                            yield Input("" if value is None else str(value), id=f"s-{name}")
+                for row in _SAMPLING_ROWS:
+                    with Horizontal(classes="fields"):
+                        for name in row:
+                            with Vertical(classes="field"):
+                                yield Label(name.replace("_penalty", " penalty").replace("_", " "))
+                                value = c.sampling.get(name)
+                                yield Input("" if value is None else str(value), id=f"s-{name}")
+                yield Label("Stop strings (one a line): the answer ends before any of them")
+                stops = c.sampling.get("stop") or []
+                yield TextArea("\n".join(stops), id="s-stop", classes="short-text")
                 yield Label("Answers come from")
                 yield Select(
                     [("the local engine", "local"), ("a remote OpenAI-compatible server", "remote")],
@@ -88,7 +97,8 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
         self.dismiss(None)
 
     def _value(self, selector: str) -> str:
-        return self.query_one(selector, Input).value.strip()
+        field = self.query_one(selector)
+        return (field.text if isinstance(field, TextArea) else self.query_one(selector, Input).value).strip()
 
     def _read(self) -> SessionConfig:
         sampling = dict(self._config.sampling)
