@@ -455,3 +455,15 @@ async def test_session_settings_set_every_sampling_parameter(tmp_path: Path) -> 
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         sampling = store.get_session(session_id).sampling
     assert sampling["stop"] == ["END", "STOP HERE"] and sampling["min_p"] == 0.05
+
+
+async def test_each_pane_shows_the_context_it_uses(tmp_path: Path) -> None:
+    client = FakeClient(reply="one two three")  # the fake counts 10 prompt tokens, a token a chunk
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        assert "tokens" not in str(pane.border_subtitle)
+        await send(pilot, pane, "q")
+        await wait_for(pilot, lambda: answered(pane), "answer")
+        n_out = -(-len("one two three") // client.chunk)
+        assert f"· {10 + n_out:,}/{client.model_info.max_model_len:,} tokens" in str(pane.border_subtitle)

@@ -233,6 +233,11 @@ class ChatApp(App[None]):
         info = loaded_model_info(client) if client is not None else None
         return info.name if info is not None else None
 
+    def local_context_length(self) -> int | None:
+        client = self.engine.raw_client
+        info = loaded_model_info(client) if client is not None else None
+        return info.max_model_len if info is not None else None
+
     def create_session_config(self) -> SessionConfig:
         """A new session, saved at once so it comes back after a restart."""
         self._session_counter += 1

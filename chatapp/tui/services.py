@@ -32,6 +32,9 @@ class ChatServices(Protocol):
     def local_model_name(self) -> str | None:
         """The model the local engine runs (None until known)."""
 
+    def local_context_length(self) -> int | None:
+        """The local engine's context in tokens (None until known)."""
+
 
 class MainScreenServices(ChatServices, Protocol):
     """The session panes' screen: new sessions, export, settings, and what the panes need."""

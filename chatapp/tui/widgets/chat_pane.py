@@ -140,7 +140,20 @@ class ChatPane(Vertical):
             self.border_subtitle = f"{self.config.model or '?'} @ {where}"
         else:
             self.border_subtitle = self.services.local_model_name() or "local engine"
+        used = self.context_used()
+        if used is not None:
+            context = None if self.config.is_remote else self.services.local_context_length()
+            self.border_subtitle += f" · {used:,}" + (f"/{context:,}" if context else "") + " tokens"
         self.post_message(self.Changed(self))
+
+    def context_used(self) -> int | None:
+        """Tokens the conversation shown takes: the last answer's prompt plus what it wrote (None before
+        any answer has counts). The next question adds to it."""
+        for node in reversed(self.conversation.path()):
+            m = node.metrics
+            if node.role == "assistant" and m is not None and m.prompt_tokens is not None:
+                return m.prompt_tokens + (m.completion_tokens or 0)
+        return None
 
     async def show_path(self) -> None:
         """Rebuild the message views for the shown branch (not per token: on send, switch, load)."""
@@ -152,6 +165,7 @@ class ChatPane(Vertical):
         last = self.conversation.last("assistant")
         self.rate = last.metrics.tokens_per_second if last and last.metrics else None
         log.scroll_end(animate=False)
+        self.update_titles()  # the context used follows the branch shown
 
     def notice(self, text: str) -> None:
         """A one-line note above the prompt (model switched, editing, errors)."""
@@ -414,3 +428,4 @@ class ChatPane(Vertical):
         self._answer = None
         self._worker = None
         self.busy = False
+        self.update_titles()
