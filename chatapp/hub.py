@@ -149,6 +149,24 @@ def _require_online() -> None:
         )
 
 
+PROBE_TIMEOUT_S = 5.0
+"""How long one try to reach the Hub may take before a search says it cannot."""
+
+
+def _reach_once() -> None:
+    """One short request to the Hub before a search: huggingface_hub's listing retries a refused or
+    timed-out connection five times with back-off (about 25 s of "Retrying in 8s" for an offline
+    user); a search screen should say "cannot reach" after one try instead."""
+    import httpx2
+
+    try:
+        httpx2.get(f"{_endpoint()}/api/models", params={"limit": 1}, timeout=PROBE_TIMEOUT_S)
+    except httpx2.TransportError as exc:
+        message = explain(exc)
+        assert message is not None  # a transport error always has its explanation
+        raise HubError(message) from None
+
+
 def explain(exc: BaseException, repo_id: str | None = None) -> str | None:
     """One line for the user about a huggingface_hub or network error; None if it is neither."""
     import httpx2
@@ -511,6 +529,7 @@ def search_models(
     from huggingface_hub import HfApi
 
     _require_online()
+    _reach_once()
     listing = HfApi().list_models(
         search=query or None,
         pipeline_tag="text-generation",

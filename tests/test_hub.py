@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -431,3 +433,30 @@ def test_progress_counts_every_byte_once_even_across_a_dropped_connection(hub: F
     path = pull(REPO, progress=received.append)
     on_disk = sum(f.stat().st_size for f in path.iterdir())
     assert sum(received) == on_disk and len(received) > 1
+
+
+def test_a_search_with_the_hub_unreachable_fails_after_one_try(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """huggingface_hub's own listing retries five times with back-off (~25 s of "Retrying in ..."
+    lines); the models screen's search says it cannot reach the Hub after one short try."""
+    from huggingface_hub import constants
+
+    from chatapp import hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    import httpx2
+
+    calls: list[str] = []
+    real_get = httpx2.get
+
+    def counting_get(url: str, **kwargs: Any) -> Any:
+        calls.append(url)
+        return real_get(url, **kwargs)
+
+    monkeypatch.setattr(httpx2, "get", counting_get)
+    with caplog.at_level(logging.WARNING), pytest.raises(hub.HubError, match="cannot reach the Hugging Face Hub"):
+        hub.search_models("llama")
+    assert calls == ["http://127.0.0.1:9/api/models"]  # one try
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]

@@ -467,3 +467,24 @@ async def test_each_pane_shows_the_context_it_uses(tmp_path: Path) -> None:
         await wait_for(pilot, lambda: answered(pane), "answer")
         n_out = -(-len("one two three") // client.chunk)
         assert f"· {10 + n_out:,}/{client.model_info.max_model_len:,} tokens" in str(pane.border_subtitle)
+
+
+async def test_a_failed_hub_search_is_said_inside_the_models_screen(tmp_path: Path) -> None:
+    from textual.widgets import Label
+
+    from chatapp.hub import HubError
+    from tests.tui_fakes import FakeCatalog
+
+    catalog = FakeCatalog(search_error=HubError("cannot reach the Hugging Face Hub at https://huggingface.co"))
+    app = make_app(tmp_path, catalog=catalog)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: bool(app.screen.query("#hub-search")), "models")
+        app.screen.query_one("#hub-search").focus()
+        await pilot.press(*"llama", "enter")
+        status = app.screen.query_one("#hub-status", Label)
+        await wait_for(pilot, lambda: status.display, "the error shown")
+        assert "cannot reach the Hugging Face Hub" in str(status.render()) and _visible(app, status)
+        catalog.search_error = None
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not status.display, "cleared by a search that answers")

@@ -158,11 +158,15 @@ class FakeCatalog:
     step_bytes: int = 1000
     gate: Any = None
     """A threading.Event the pull waits on between steps (lets a test cancel mid-download)."""
+    search_error: Exception | None = None
+    """Raised by search (the Hub unreachable, say)."""
 
     def list_local(self) -> list[LocalEntry]:
         return list(self.local)
 
     def search(self, query: str) -> list[HubEntry]:
+        if self.search_error is not None:
+            raise self.search_error
         return [r for r in self.results if query.lower() in r.repo_id.lower()]
 
     def plan(self, spec: str) -> PullSize:

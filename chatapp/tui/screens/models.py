@@ -40,6 +40,7 @@ class ModelScreen(ModalScreen[None]):
             yield DataTable(id="local", cursor_type="row", zebra_stripes=True)
             yield Label("Hugging Face Hub (Enter searches; Enter on a result downloads it)", classes="section")
             yield Input(placeholder="Search text-generation models…", id="hub-search")
+            yield Label("", id="hub-status", classes="dialog-error", markup=False)
             yield DataTable(id="hub", cursor_type="row", zebra_stripes=True)
             with Vertical(id="download"):
                 yield Label("", id="download-label")
@@ -95,10 +96,14 @@ class ModelScreen(ModalScreen[None]):
         self.app.call_from_thread(self._fill_hub, results)
 
     def _search_failed(self, message: str) -> None:
+        """Said in the screen, beside the search (and kept there until the next search answers)."""
         self.query_one("#hub", DataTable).loading = False
-        self.notify(f"Search failed: {message}", severity="error")
+        status = self.query_one("#hub-status", Label)
+        status.update(f"Search failed: {message}")
+        status.display = True
 
     def _fill_hub(self, results: list[HubEntry]) -> None:
+        self.query_one("#hub-status", Label).display = False
         table = self.query_one("#hub", DataTable)
         table.loading = False
         table.clear()
