@@ -126,7 +126,9 @@ class MainScreen(Screen[None]):
             tab = self.query_one(f"#tab-{pane.id}", Tab)
         except NoMatches:  # the tab is added right after the pane mounts
             return
-        tab.label = self._tab_label(pane)
+        label = self._tab_label(pane)
+        if str(tab.label) != label:  # a tab's new label lays the whole screen out again
+            tab.label = label
         self._update_status()
 
     @on(Tabs.TabActivated)

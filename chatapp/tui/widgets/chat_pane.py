@@ -2,11 +2,16 @@
 
 Why it streams this way: the engine call runs in a Textual worker, which only
 appends each delta's text to a list; the first text after a flush arms a
-one-shot timer (``FLUSH_S``) that hands what has gathered to the Markdown
-widget's stream in one piece, and the partial answer is saved to the history
-at most every ``SAVE_S``. The UI therefore does a bounded amount of work per
-frame, however many panes stream and however fast, and none while nothing
-arrives.
+one-shot timer that hands what has gathered to the Markdown widget's stream in
+one piece, and the partial answer is saved to the history at most every
+``SAVE_S``. The UI therefore does a bounded amount of work per frame, however
+many panes stream and however fast, and none while nothing arrives.
+
+The timers fire on a clock shared by every pane (multiples of ``FLUSH_S``), so
+panes streaming at once grow in the same frame and the screen is laid out once
+for all of them: each layout of a long conversation costs tens of
+milliseconds, and it, not the text, is most of the TUI's CPU. A pane without
+focus flushes at most every ``UNFOCUSED_FLUSH_S``.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from chatapp.tui.widgets.prompt_input import PromptInput
 if TYPE_CHECKING:
     from chatapp.tui.services import ChatServices
 
-FLUSH_S = 0.05
-"""How often streamed text is handed to the Markdown widget."""
+FLUSH_S = 0.2
+"""How often the focused pane's streamed text is handed to its Markdown widget."""
+UNFOCUSED_FLUSH_S = 0.4
+"""The same for the other panes (read at a glance, not line by line)."""
 _RUN = uuid.uuid4().hex[:8]
 """Makes request ids unique among the TUIs (processes) that share one engine."""
 SAVE_S = 0.5
@@ -334,7 +341,7 @@ class ChatPane(Vertical):
                         if text:
                             self._pending.append(text)
                         if self._flush_timer is None:
-                            self._flush_timer = self.set_timer(FLUSH_S, self._flush)
+                            self._flush_timer = self.set_timer(self._next_flush_delay(), self._flush)
                     if delta.finished:
                         finish, error = delta.finish_reason, delta.error
                         thought, text = thinking.finish()
@@ -356,6 +363,11 @@ class ChatPane(Vertical):
             finish, error = "error", str(exc)
         finally:
             await self._end_stream(answer, view, finish, error, started, n_prompt, n_out)
+
+    def _next_flush_delay(self) -> float:
+        """Seconds to the next tick of the shared flush clock (see the module's docstring)."""
+        period = FLUSH_S if self.has_focus_within else UNFOCUSED_FLUSH_S
+        return period - time.monotonic() % period or period
 
     async def _flush(self) -> None:
         """Hand the text gathered since the last flush to the Markdown stream, in one piece."""
