@@ -7,6 +7,7 @@ import logging
 import logging.handlers
 import warnings
 from collections.abc import AsyncIterator, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -421,13 +422,16 @@ async def test_closing_a_pane_with_an_unsent_message_asks_first(tmp_path: Path) 
         await wait_for(pilot, lambda: len(panes(app)) == 1, "closed")
         session_id = pane.config.db_id
         empty = panes(app)[0]
+        empty_id = empty.config.db_id
         empty.prompt.focus()
         await pilot.press("f8")  # nothing typed: closes at once (a fresh pane replaces the last)
         await wait_for(pilot, lambda: empty not in panes(app), "closed without asking")
         assert not isinstance(app.screen, ConfirmScreen)
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         closed = store.get_session(session_id)
+        ids = [s.id for s in store.list_sessions(include_archived=True)]
     assert closed.archived and closed.draft == "do not lose me"
+    assert empty_id is not None and empty_id not in ids  # an empty session leaves nothing behind
 
 
 async def test_session_settings_set_every_sampling_parameter(tmp_path: Path) -> None:
@@ -488,3 +492,44 @@ async def test_a_failed_hub_search_is_said_inside_the_models_screen(tmp_path: Pa
         catalog.search_error = None
         await pilot.press("enter")
         await wait_for(pilot, lambda: not status.display, "cleared by a search that answers")
+
+
+async def test_the_sessions_list_shows_dates_newest_first_and_deletes_a_closed_session(tmp_path: Path) -> None:
+    import sqlite3
+
+    from textual.widgets import DataTable
+
+    from chatapp.tui.screens.confirm import ConfirmScreen
+    from chatapp.tui.screens.sessions import SessionsScreen
+
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        old = store.create_session("old and closed")
+        store.add_message(old.id, None, "user", "something private")
+        store.update_session(old.id, archived=True)
+        newer = store.create_session("newer")
+    with sqlite3.connect(tmp_path / "history.sqlite3") as conn:
+        conn.execute("UPDATE sessions SET updated_at = 1700000000 WHERE id = ?", (old.id,))
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f7")
+        await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), "sessions list")
+        table = app.screen.query_one(DataTable)
+        await pilot.pause()
+        titles = [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+        assert titles.index("newer") < titles.index("old and closed")  # most recently used first
+        row = titles.index("old and closed")
+        assert table.get_row_at(row)[3] == datetime.fromtimestamp(1700000000).strftime("%Y-%m-%d %H:%M")
+        table.focus()
+        table.move_cursor(row=titles.index("newer"))
+        await pilot.press("delete")  # open in a pane: refused
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen)
+        table.move_cursor(row=row)
+        await pilot.press("delete")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "asked")
+        assert "1 message" in str(app.screen.query_one("#question").render())
+        await pilot.press("y")
+        await wait_for(pilot, lambda: table.row_count == len(titles) - 1, "gone from the list")
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        assert [s.id for s in store.list_sessions(include_archived=True)] == [newer.id]
+        assert store.search("private") == []

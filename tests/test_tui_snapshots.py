@@ -6,6 +6,7 @@ with fixed counters, a fixed model catalog, fixed terminal sizes.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,9 @@ def fixed_history(tmp_path: Path) -> None:
             again.id, "Call `list(reversed(items))` for a new list.", metrics=Metrics(31, 12, 85.0, 100.0)
         )
         store.update_session(store.list_sessions()[2].id, archived=False)
+    # Fixed dates (the sessions list shows when each was last used): an hour apart, "Math" the newest.
+    with sqlite3.connect(tmp_path / "history.sqlite3") as conn:
+        conn.execute("UPDATE sessions SET created_at = 1790000000 + 3600 * id, updated_at = 1790000000 + 3600 * id")
 
 
 def snapshot_app(tmp_path: Path):

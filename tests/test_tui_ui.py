@@ -205,7 +205,7 @@ async def test_closed_session_is_found_by_search_and_reopened(tmp_path: Path) ->
         await pilot.press(*"pari")
         table = app.screen.query_one(DataTable)
         await wait_for(pilot, lambda: table.row_count == 1, "one match")
-        assert "Paris" in str(table.get_row_at(0)[3]) and table.get_row_at(0)[2] == "closed"
+        assert "Paris" in str(table.get_row_at(0)[4]) and table.get_row_at(0)[2] == "closed"
         await pilot.press("down", "enter")
         await wait_for(pilot, lambda: len(panes(app)) == 2, "reopened")
         reopened = panes(app)[1]

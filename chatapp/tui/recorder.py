@@ -60,6 +60,10 @@ class Recorder:
         if self.store is not None and session_id is not None:
             self._call(self.store.update_session, session_id, **changes)
 
+    def delete_session(self, session_id: int | None) -> None:
+        if self.store is not None and session_id is not None:
+            self._call(self.store.delete_session, session_id)
+
     def select_leaf(self, session_id: int | None, node: Node | None) -> None:
         if self.store is not None and session_id is not None and (node is None or node.db_id is not None):
             self._call(self.store.set_selected_leaf, session_id, node.db_id if node else None)

@@ -181,14 +181,19 @@ class MainScreen(Screen[None]):
         pane.save_draft()
         pane.stop()
         index = self.panes.index(pane)
-        self.services.recorder.update_session(pane.config.db_id, archived=True)
+        empty = not pane.conversation.roots and not pane.config.draft
+        if empty:  # nothing to come back to: no "Chat N" left behind in the sessions list
+            self.services.recorder.delete_session(pane.config.db_id)
+        else:
+            self.services.recorder.update_session(pane.config.db_id, archived=True)
         await self.query_one(Tabs).remove_tab(f"tab-{pane.id}")
         await pane.remove()
         if not self.panes:
             await self.action_new_session()
         else:
             self.focus_pane(min(index, len(self.panes) - 1))
-        self.notify(f"Closed {pane.config.title or 'the session'}; reopen it from the sessions list.")
+        if not empty:
+            self.notify(f"Closed {pane.config.title or 'the session'}; reopen it from the sessions list.")
 
     @work
     async def action_rename_session(self) -> None:
