@@ -153,7 +153,8 @@ class ServerSettings(_Section):
     """The OpenAI-compatible API server (``chatapp serve``)."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
-    port: int = Field(default=8000, ge=1, le=65535)
+    port: int = Field(default=8000, ge=0, le=65535)
+    """0: any free port (the status bar and `chatapp serve` say which)."""
     api_key: str | None = None
     """If set, clients must send it as a bearer token."""
 

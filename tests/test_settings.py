@@ -260,7 +260,7 @@ def test_save_writes_through_a_symlink(tmp_path):
 def test_changes_are_validated(path):
     s = Settings()
     with pytest.raises(pydantic.ValidationError):
-        s.server.port = 0
+        s.server.port = -1
     with pytest.raises(pydantic.ValidationError):
         s.keys = {"quit": "ctrl+q", "search": "ctrl+q"}
     s.keys["quit"] = "ctrl q"  # an in-place change skips validation... until saving

@@ -533,3 +533,25 @@ async def test_the_sessions_list_shows_dates_newest_first_and_deletes_a_closed_s
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         assert [s.id for s in store.list_sessions(include_archived=True)] == [newer.id]
         assert store.search("private") == []
+
+
+async def test_the_api_port_comes_back_on_when_it_was_on_at_quit(tmp_path: Path) -> None:
+    (tmp_path / "settings.toml").write_text('[server]\nhost = "127.0.0.1"\nport = 0\n')  # 0: any free port
+
+    async def run(press_f9: bool, on_after: bool) -> None:
+        app = make_app(tmp_path)
+        async with app.run_test(size=(120, 40)) as pilot:
+            bar = main_screen(app).query_one(StatusBar)
+            await pilot.pause(0.3)
+            if press_f9:
+                await pilot.press("f9")
+            await wait_for(pilot, lambda: (bar.server_url is not None) == on_after, f"the port {on_after=}")
+            await pilot.pause(0.3)
+            assert (bar.server_url is not None) == on_after
+            await app.action_quit()
+
+    await run(press_f9=False, on_after=False)  # off by default
+    await run(press_f9=True, on_after=True)  # F9 turns it on; quitting leaves that choice
+    await run(press_f9=False, on_after=True)  # so the next start opens it again
+    await run(press_f9=True, on_after=False)  # F9 turns it off
+    await run(press_f9=False, on_after=False)  # and it stays off

@@ -26,7 +26,7 @@ from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, loade
 from chatapp.history import HistoryError, HistoryOpenError, HistoryStore, Session
 from chatapp.logs import tui_log_path
 from chatapp.settings import SettingsError, load_or_default, save
-from chatapp.tui import keymap
+from chatapp.tui import keymap, ui_state
 from chatapp.tui.conversation import Conversation
 from chatapp.tui.downloads import PullCancelled, PullJob
 from chatapp.tui.engine_link import EngineFactory, LocalEngine
@@ -116,6 +116,8 @@ class ChatApp(App[None]):
         self.pulls: list[PullJob] = []
         self._remote: dict[tuple[str, str | None, str], RemoteClient] = {}
         self._server: Any = None
+        self._ui_state_path = history_path.parent / ui_state.FILENAME if history_path else ui_state.default_path()
+        self._ui_state = ui_state.load(self._ui_state_path)
         self._keymap_warnings: list[str] = []
         self._session_counter = 0
 
@@ -139,6 +141,8 @@ class ChatApp(App[None]):
         self._start_engine()
         self.set_interval(POLL_S, self._poll_engine)
         self.call_after_refresh(self._poll_engine)
+        if self._ui_state.api_port_on:  # it was on when the app last quit
+            self.action_toggle_server()
 
     def _apply_keymap(self) -> None:
         mapping, warnings = keymap.keymap(self.settings.keys)
@@ -365,6 +369,7 @@ class ChatApp(App[None]):
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop()
+            self._remember_api_port(False)
             self.notify("The API port is off.")
             await self._poll_engine()
             return
@@ -384,8 +389,15 @@ class ChatApp(App[None]):
         except (OSError, RuntimeError, ValueError) as exc:
             self.notify(f"Cannot open the API port on {s.host}:{s.port}: {exc}", severity="error", timeout=10)
             return
+        self._remember_api_port(True)
         self.notify(f"The OpenAI-compatible API is on at {self._server.url}")
         await self._poll_engine()
+
+    def _remember_api_port(self, on: bool) -> None:
+        """F9's state, restored at the next start (quitting with the port on keeps it on)."""
+        if self._ui_state.api_port_on != on:
+            self._ui_state.api_port_on = on
+            ui_state.save(self._ui_state, self._ui_state_path)
 
     @work(group="engine", exclusive=True, exit_on_error=False)
     async def action_restart_engine(self) -> None:
