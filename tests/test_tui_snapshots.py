@@ -6,63 +6,25 @@ with fixed counters, a fixed model catalog, fixed terminal sizes.
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
 
-from chatapp.history import HistoryStore, Metrics
 from chatapp.tui.screens.models import ModelScreen
 from chatapp.tui.screens.sessions import SessionsScreen
 from tests.tui_fakes import FakeClient
-from tests.tui_helpers import make_app, panes, wait_for
+from tests.tui_helpers import fixed_history, make_app, panes, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 SIZE = (150, 40)
-
-CONVERSATIONS = [
-    (
-        "Python help",
-        "How do I reverse a list in Python?",
-        "Use slicing or `reversed()`:\n\n```python\nitems = [1, 2, 3]\nprint(items[::-1])\n```\n\n"
-        "Slicing makes a copy; `items.reverse()` works in place.",
-        Metrics(31, 42, 87.5, 120.0),
-    ),
-    (
-        "Trip ideas",
-        "Suggest a weekend trip from Paris.",
-        "**Normandy** is two hours away:\n\n- Mont-Saint-Michel\n- Étretat cliffs\n- Honfleur harbour",
-        Metrics(28, 30, 91.2, 95.0),
-    ),
-    ("Math", "What is 12 × 12?", "12 × 12 = **144**.", Metrics(25, 9, 78.0, 110.0)),
-]
 
 
 @pytest.fixture(autouse=True)
 def _fixed_log_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """F1 names the log file; the test's own temp dir would change every snapshot."""
     monkeypatch.setattr("chatapp.tui.app.tui_log_path", lambda: Path("/home/user/.local/state/chatapp/log/tui.log"))
-
-
-def fixed_history(tmp_path: Path) -> None:
-    with HistoryStore(tmp_path / "history.sqlite3") as store:
-        for title, question, answer, metrics in CONVERSATIONS:
-            session = store.create_session(title, sampling={"temperature": 0.7})
-            q = store.add_message(session.id, None, "user", question)
-            a = store.start_answer(session.id, q.id, model="FakeLM-1M")
-            store.finish_message(a.id, answer, metrics=metrics)
-        first = store.list_sessions()[0]
-        q = store.path(first.id)[0]
-        again = store.start_answer(first.id, q.id, model="FakeLM-1M")  # a second branch: "‹ 2/2 ›"
-        store.finish_message(
-            again.id, "Call `list(reversed(items))` for a new list.", metrics=Metrics(31, 12, 85.0, 100.0)
-        )
-        store.update_session(store.list_sessions()[2].id, archived=False)
-    # Fixed dates (the sessions list shows when each was last used): an hour apart, "Math" the newest.
-    with sqlite3.connect(tmp_path / "history.sqlite3") as conn:
-        conn.execute("UPDATE sessions SET created_at = 1790000000 + 3600 * id, updated_at = 1790000000 + 3600 * id")
 
 
 def snapshot_app(tmp_path: Path):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from textual.pilot import Pilot
 
+from chatapp.history import HistoryStore, Metrics
 from chatapp.tui.app import ChatApp
 from chatapp.tui.screens.main import MainScreen
 from chatapp.tui.widgets.chat_pane import ChatPane
@@ -57,3 +59,41 @@ def answered(pane: ChatPane, n: int = 1) -> bool:
     path = pane.conversation.path()
     answers = [m for m in path if m.role == "assistant"]
     return len(answers) >= n and all(m.status != "streaming" for m in answers) and not pane.busy
+
+
+CONVERSATIONS = [
+    (
+        "Python help",
+        "How do I reverse a list in Python?",
+        "Use slicing or `reversed()`:\n\n```python\nitems = [1, 2, 3]\nprint(items[::-1])\n```\n\n"
+        "Slicing makes a copy; `items.reverse()` works in place.",
+        Metrics(31, 42, 87.5, 120.0),
+    ),
+    (
+        "Trip ideas",
+        "Suggest a weekend trip from Paris.",
+        "**Normandy** is two hours away:\n\n- Mont-Saint-Michel\n- Étretat cliffs\n- Honfleur harbour",
+        Metrics(28, 30, 91.2, 95.0),
+    ),
+    ("Math", "What is 12 × 12?", "12 × 12 = **144**.", Metrics(25, 9, 78.0, 110.0)),
+]
+
+
+def fixed_history(tmp_path: Path) -> None:
+    """Three sessions with fixed answers, metrics and dates (snapshots and README's pictures)."""
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        for title, question, answer, metrics in CONVERSATIONS:
+            session = store.create_session(title, sampling={"temperature": 0.7})
+            q = store.add_message(session.id, None, "user", question)
+            a = store.start_answer(session.id, q.id, model="FakeLM-1M")
+            store.finish_message(a.id, answer, metrics=metrics)
+        first = store.list_sessions()[0]
+        q = store.path(first.id)[0]
+        again = store.start_answer(first.id, q.id, model="FakeLM-1M")  # a second branch: "‹ 2/2 ›"
+        store.finish_message(
+            again.id, "Call `list(reversed(items))` for a new list.", metrics=Metrics(31, 12, 85.0, 100.0)
+        )
+        store.update_session(store.list_sessions()[2].id, archived=False)
+    # Fixed dates (the sessions list shows when each was last used): an hour apart, "Math" the newest.
+    with sqlite3.connect(tmp_path / "history.sqlite3") as conn:
+        conn.execute("UPDATE sessions SET created_at = 1790000000 + 3600 * id, updated_at = 1790000000 + 3600 * id")
