@@ -555,3 +555,44 @@ async def test_the_api_port_comes_back_on_when_it_was_on_at_quit(tmp_path: Path)
     await run(press_f9=False, on_after=True)  # so the next start opens it again
     await run(press_f9=True, on_after=False)  # F9 turns it off
     await run(press_f9=False, on_after=False)  # and it stays off
+
+
+async def test_a_new_session_is_named_from_its_first_exchange(tmp_path: Path) -> None:
+    client = FakeClient(title_reply='"Reversing Lists in Python."\n')
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        assert pane.config.title == "Chat 1"
+        await send(pilot, pane, "How do I reverse a list in Python?")
+        await wait_for(pilot, lambda: pane.config.title == "Reversing Lists in Python", "named by the model")
+        assert "How do I reverse a list" in client.title_requests[0][0]["content"]
+        tab = main_screen(app).query_one(f"#tab-{pane.id}")
+        assert "Reversing Lists in Python" in str(tab.label)
+        await send(pilot, pane, "and a tuple?")  # later answers leave the title alone
+        await wait_for(pilot, lambda: answered(pane, 2), "second answer")
+        assert len(client.title_requests) == 1
+        session_id = pane.config.db_id
+        # A title the user gave is never replaced.
+        await pilot.press("ctrl+t")
+        await wait_for(pilot, lambda: len(panes(app)) == 2, "second pane")
+        second = panes(app)[1]
+        second.config.title = "My own name"
+        await send(pilot, second, "hello")
+        await wait_for(pilot, lambda: answered(second), "its answer")
+        await pilot.pause(0.2)
+        assert second.config.title == "My own name" and len(client.title_requests) == 1
+        await app.action_quit()
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        assert store.get_session(session_id).title == "Reversing Lists in Python"
+
+
+def test_fallback_titles_come_from_the_question() -> None:
+    from chatapp.tui import titles
+
+    assert titles.from_question("\n  What is 12 x 12?\nThanks") == "What is 12 x 12?"
+    long = "Please explain in detail how the paged attention kernel handles windowed layers"
+    short = titles.from_question(long)
+    assert short.endswith("…") and len(short) <= titles.MAX_TITLE_CHARS + 1 and long.startswith(short[:-1])
+    assert titles.clean("Title: **Paged attention**.") == "Paged attention"
+    assert titles.clean("x" * 80) is None and titles.clean("\n\n") is None
+    assert titles.is_placeholder("Chat 12") and not titles.is_placeholder("Chat about cats")

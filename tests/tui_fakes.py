@@ -44,6 +44,9 @@ class FakeClient:
     chunk: int = 4
     hold: asyncio.Event | None = None
     hold_after: int = 2
+    title_reply: str = "A Fake Title"
+    """What the fake answers when the app asks it to name a session."""
+    title_requests: list[Any] = field(default_factory=list)
     finish_reason: str = "stop"
     """How every stream ends ("length": cut at the token limit)."""
     state: str = "ready"
@@ -88,6 +91,11 @@ class FakeClient:
         if self.state == "dead":
             raise EngineDeadError("the fake engine is dead")
         rid = request_id or f"fake-{len(self.requests)}"
+        if "-title-" in rid:  # the app naming a session: answered apart, so tests count only chats
+            self.title_requests.append(messages)
+            yield OutputDelta(rid, self.title_reply, [1], None, False, None, None, 10, 1, 0)
+            yield OutputDelta(rid, "", [], None, True, "stop", None, 10, 1, 0)
+            return
         self.requests.append(
             {"messages": messages, "params": params, "request_id": rid, "continue": continue_final_message}
         )

@@ -34,6 +34,7 @@ from textual.worker import Worker
 from chatapp.engine.api import EngineDeadError, EngineError, InvalidRequestError
 from chatapp.engine.reasoning import ReasoningSplitter
 from chatapp.history import Metrics
+from chatapp.tui import titles
 from chatapp.tui.conversation import Conversation, Node
 from chatapp.tui.session_config import SessionConfig, SessionConfigError
 from chatapp.tui.widgets.message_view import MessageView
@@ -441,3 +442,27 @@ class ChatPane(Vertical):
         self._worker = None
         self.busy = False
         self.update_titles()
+        saved = answer.db_id is not None or self.config.db_id is None  # (no history at all: name it anyway)
+        if (
+            answer.status == "complete"
+            and answer.parent is not None
+            and saved
+            and titles.is_placeholder(self.config.title)
+        ):
+            self._name_session(answer.parent.content)
+
+    @work(group="titles", exclusive=True, exit_on_error=False)
+    async def _name_session(self, question: str) -> None:
+        """Name a placeholder-titled session from its first exchange (see titles.py)."""
+        title: str | None = None
+        if not self.config.is_remote:
+            try:
+                client = await self.services.client_for(self.config)
+                title = await titles.ask_model(client, question, f"tui-{_RUN}-title-{self.id}")
+            except (EngineError, InvalidRequestError, SessionConfigError):
+                title = None
+        title = title or titles.from_question(question)
+        if title and titles.is_placeholder(self.config.title):  # the user may have renamed it meanwhile
+            self.config.title = title
+            self.services.recorder.update_session(self.config.db_id, title=title)
+            self.update_titles()
