@@ -37,9 +37,4 @@ inline __m256 half8(const uint8_t* p) {
 // 8 bytes at p widened to 8 int32 lanes, unsigned or signed.
 inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i i8x8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-
-// 8 channels of a 16-channel tile's float accumulators, then bias, to y: only the valid ones.
-inline void store_tile_outputs(const float* acc, float* y_row, int64_t valid, const float* bias) {
-  for (int64_t c = 0; c < valid; ++c) y_row[c] = acc[c] + (bias ? bias[c] : 0.f);
-}
 #endif

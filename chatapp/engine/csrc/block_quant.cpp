@@ -20,15 +20,13 @@
 // then 16 fp16 scales. chatapp/engine/block_quant.py writes both.
 #include "block_quant.h"
 #include "avx2_dot.h"
+#include "tile_walk.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -96,205 +94,167 @@ void quantize_rows(const at::Tensor& x, QuantizedActivations& a) {
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-constexpr bool kHasVnni = true;
+// Where a kind's (tile, block) keeps what is not codes: 16 fp16 scales, then (Q4, Q8M) 16 fp16 minimums.
+struct BlockLayout {
+  int64_t tile_bytes, scale_offset, min_offset;
+  bool has_min;
+};
 
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+constexpr BlockLayout block_layout(int kind) {
+  return kind == kKindQ4   ? BlockLayout{kQ4TileBytes, 256, 288, true}
+         : kind == kKindQ8 ? BlockLayout{kQ8TileBytes, 512, 0, false}
+                           : BlockLayout{kQ8MTileBytes, 512, 544, true};
 }
 
+#if defined(CHATAPP_HAVE_VNNI)
 // Output tiles [t0, t1) for every row, 64 rows at a time so the float sums stay in L1.
 template <int kKind>
-void tiles_vnni(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
-                int64_t t1, float* y, int64_t n_out, const float* bias) {
-  constexpr int64_t kTileBytes = kKind == kKindQ4 ? kQ4TileBytes : kKind == kKindQ8 ? kQ8TileBytes : kQ8MTileBytes;
-  constexpr bool kHasMin = kKind != kKindQ8;
+void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+               int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr BlockLayout L = block_layout(kKind);
   constexpr int64_t kRows = 64;
   constexpr int64_t kAhead = 24;  // blocks of 32 inputs prefetched ahead into L2 (~8-14 KB; kquant.cpp says why)
   const int64_t blocks = k / kQuantBlock;
   alignas(64) float acc[kRows * kQuantTile];
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = packed + t * blocks * kTileBytes;
-    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
-      const int64_t count = std::min(kRows, rows - m0);
-      for (int64_t r = 0; r < count; ++r) _mm512_store_ps(acc + r * kQuantTile, _mm512_setzero_ps());
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = tile + b * kTileBytes;
-        // Tiles follow one another in memory: fetch a few blocks ahead so DRAM latency hides behind the dots.
-        for (int64_t off = 0; off < kTileBytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kTileBytes + off), _MM_HINT_T1);
-        __m512i w[8];
-        __m512 d, mins = _mm512_setzero_ps();
-        if constexpr (kKind == kKindQ4) {
-          for (int j = 0; j < 4; ++j) {
-            const __m512i v = _mm512_loadu_si512(blk + 64 * j);
-            w[j] = _mm512_and_si512(v, low4);
-            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-          }
-          d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
-          mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-        } else {
-          for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
-          d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
-          if constexpr (kHasMin) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 544)));
-        }
-        for (int64_t r = 0; r < count; ++r) {
-          const int64_t row = m0 + r, rb = row * blocks + b;
-          const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
-          // Two independent chains (inputs 0-15 and 16-31) halve the dot instructions' latency.
-          __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
-          __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], broadcast4(xq + 16));
-          s0 = _mm512_dpbusd_epi32(s0, w[1], broadcast4(xq + 4));
-          s1 = _mm512_dpbusd_epi32(s1, w[5], broadcast4(xq + 20));
-          s0 = _mm512_dpbusd_epi32(s0, w[2], broadcast4(xq + 8));
-          s1 = _mm512_dpbusd_epi32(s1, w[6], broadcast4(xq + 24));
-          s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
-          s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
-          __m512i s = _mm512_add_epi32(s0, s1);
-          if constexpr (kKind == kKindQ8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[rb]));
-          float* out = acc + r * kQuantTile;
-          __m512 f = _mm512_load_ps(out);
-          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[rb])), f);
-          if constexpr (kHasMin) f = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.sum[rb]), f);
-          _mm512_store_ps(out, f);
-        }
+  auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
+    __m512i w[8];
+    if constexpr (kKind == kKindQ4) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * j);
+        w[j] = _mm512_and_si512(v, low4);
+        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
-      for (int64_t r = 0; r < count; ++r)
-        _mm512_mask_storeu_ps(y + (m0 + r) * n_out + n0, mask,
-                              _mm512_add_ps(_mm512_load_ps(acc + r * kQuantTile), bias_v));
+    } else {
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
     }
-  }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.scale_offset)));
+    __m512 mins = _mm512_setzero_ps();
+    if constexpr (L.has_min)
+      mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.min_offset)));
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t row = m0 + r, rb = row * blocks + b;
+      const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
+      // Two independent chains (inputs 0-15 and 16-31) halve the dot instructions' latency.
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], broadcast4(xq + 16));
+      s0 = _mm512_dpbusd_epi32(s0, w[1], broadcast4(xq + 4));
+      s1 = _mm512_dpbusd_epi32(s1, w[5], broadcast4(xq + 20));
+      s0 = _mm512_dpbusd_epi32(s0, w[2], broadcast4(xq + 8));
+      s1 = _mm512_dpbusd_epi32(s1, w[6], broadcast4(xq + 24));
+      s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
+      s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
+      __m512i s = _mm512_add_epi32(s0, s1);
+      if constexpr (kKind == kKindQ8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[rb]));
+      float* out = acc + r * kQuantTile;
+      __m512 f = _mm512_load_ps(out);
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[rb])), f);
+      if constexpr (L.has_min) f = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.sum[rb]), f);
+      _mm512_store_ps(out, f);
+    }
+  };
+  walk_tiles<TileOut512, kRows, L.tile_bytes, false>(packed, blocks, t0, t1, rows, kAhead, acc, y, n_out, bias, block);
 }
-#else
-constexpr bool kHasVnni = false;
 #endif
 
 #if defined(CHATAPP_HAVE_AVX2)
-constexpr bool kHasAvx2 = true;
-
 // The VNNI loop's arithmetic on 256-bit registers, a tile's 16 channels as two halves of 8: the same
 // exact int32 block sums (dot4x8), then the same float steps in the same order, so every output has
 // the VNNI loop's bits. Q8's codes u = q + 128 are taken back to signed q and multiplied as |q| by
 // x with q's sign, which keeps maddubs within int16 and gives dot(u, x) - 128 * sum(x) directly.
 template <int kKind>
-void tiles_avx2(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
-                int64_t t1, float* y, int64_t n_out, const float* bias) {
-  constexpr int64_t kTileBytes = kKind == kKindQ4 ? kQ4TileBytes : kKind == kKindQ8 ? kQ8TileBytes : kQ8MTileBytes;
-  constexpr bool kHasMin = kKind != kKindQ8;
-  constexpr int64_t kScaleOffset = kKind == kKindQ4 ? 256 : 512, kMinOffset = kKind == kKindQ4 ? 288 : 544;
+void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+               int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr BlockLayout L = block_layout(kKind);
   constexpr int64_t kRows = 64, kAhead = 24;
   const int64_t blocks = k / kQuantBlock;
   alignas(32) float acc[kRows * kQuantTile];
   const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = packed + t * blocks * kTileBytes;
-    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
-    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
-      const int64_t count = std::min(kRows, rows - m0);
-      for (int64_t i = 0; i < count * kQuantTile; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = tile + b * kTileBytes;
-        for (int64_t off = 0; off < kTileBytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * kTileBytes + off), _MM_HINT_T1);
-        for (int h = 0; h < 2; ++h) {  // channels 8h..8h+7: bytes 32h..32h+31 of every 64-byte chunk
-          __m256i w[8], sign[8];
-          if constexpr (kKind == kKindQ4) {
-            for (int j = 0; j < 4; ++j) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
-              w[j] = _mm256_and_si256(v, low4);
-              w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            }
-          } else {
-            for (int j = 0; j < 8; ++j) {
-              w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
-              if constexpr (kKind == kKindQ8) {
-                sign[j] = _mm256_xor_si256(w[j], flip);  // q = u - 128 as a signed byte
-                w[j] = _mm256_abs_epi8(sign[j]);         // |q| <= 128, read unsigned
-              }
-            }
-          }
-          const __m256 d = half8(blk + kScaleOffset + 16 * h);
-          const __m256 mins = kHasMin ? half8(blk + kMinOffset + 16 * h) : _mm256_setzero_ps();
-          for (int64_t r = 0; r < count; ++r) {
-            const int64_t row = m0 + r, rb = row * blocks + b;
-            const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
-            auto x4 = [&](int j) {
-              const __m256i x = broadcast4x8(xq + 4 * (j % 4) + 16 * (j / 4));
-              if constexpr (kKind == kKindQ8) return _mm256_sign_epi8(x, sign[j]);
-              return x;
-            };
-            __m256i s0 = dot4x8(_mm256_setzero_si256(), w[0], x4(0));
-            __m256i s1 = dot4x8(_mm256_setzero_si256(), w[4], x4(4));
-            s0 = dot4x8(s0, w[1], x4(1));
-            s1 = dot4x8(s1, w[5], x4(5));
-            s0 = dot4x8(s0, w[2], x4(2));
-            s1 = dot4x8(s1, w[6], x4(6));
-            s0 = dot4x8(s0, w[3], x4(3));
-            s1 = dot4x8(s1, w[7], x4(7));
-            float* out = acc + r * kQuantTile + 8 * h;
-            __m256 f = _mm256_load_ps(out);
-            f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
-                                _mm256_mul_ps(d, _mm256_set1_ps(a.scale[rb])), f);
-            if constexpr (kHasMin) f = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum[rb]), f);
-            _mm256_store_ps(out, f);
+  auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
+    for (int h = 0; h < 2; ++h) {  // channels 8h..8h+7: bytes 32h..32h+31 of every 64-byte chunk
+      __m256i w[8], sign[8];
+      if constexpr (kKind == kKindQ4) {
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
+          w[j] = _mm256_and_si256(v, low4);
+          w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
+          if constexpr (kKind == kKindQ8) {
+            sign[j] = _mm256_xor_si256(w[j], flip);  // q = u - 128 as a signed byte
+            w[j] = _mm256_abs_epi8(sign[j]);         // |q| <= 128, read unsigned
           }
         }
       }
-      for (int64_t r = 0; r < count; ++r)
-        store_tile_outputs(acc + r * kQuantTile, y + (m0 + r) * n_out + n0, valid, bias ? bias + n0 : nullptr);
+      const __m256 d = half8(blk + L.scale_offset + 16 * h);
+      const __m256 mins = L.has_min ? half8(blk + L.min_offset + 16 * h) : _mm256_setzero_ps();
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t row = m0 + r, rb = row * blocks + b;
+        const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
+        auto x4 = [&](int j) {
+          const __m256i x = broadcast4x8(xq + 4 * (j % 4) + 16 * (j / 4));
+          if constexpr (kKind == kKindQ8) return _mm256_sign_epi8(x, sign[j]);
+          return x;
+        };
+        __m256i s0 = dot4x8(_mm256_setzero_si256(), w[0], x4(0));
+        __m256i s1 = dot4x8(_mm256_setzero_si256(), w[4], x4(4));
+        s0 = dot4x8(s0, w[1], x4(1));
+        s1 = dot4x8(s1, w[5], x4(5));
+        s0 = dot4x8(s0, w[2], x4(2));
+        s1 = dot4x8(s1, w[6], x4(6));
+        s0 = dot4x8(s0, w[3], x4(3));
+        s1 = dot4x8(s1, w[7], x4(7));
+        float* out = acc + r * kQuantTile + 8 * h;
+        __m256 f = _mm256_load_ps(out);
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+                            _mm256_mul_ps(d, _mm256_set1_ps(a.scale[rb])), f);
+        if constexpr (L.has_min) f = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum[rb]), f);
+        _mm256_store_ps(out, f);
+      }
     }
-  }
+  };
+  walk_tiles<TileOut256, kRows, L.tile_bytes, false>(packed, blocks, t0, t1, rows, kAhead, acc, y, n_out, bias, block);
 }
-#else
-constexpr bool kHasAvx2 = false;
 #endif
 
 // The same arithmetic one value at a time, for CPUs without AVX2 (correct, not fast).
 template <int kKind>
-void tiles_portable(const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
-                    int64_t t1, float* y, int64_t n_out, const float* bias) {
-  constexpr int64_t kTileBytes = kKind == kKindQ4 ? kQ4TileBytes : kKind == kKindQ8 ? kQ8TileBytes : kQ8MTileBytes;
-  constexpr bool kHasMin = kKind != kKindQ8;
-  constexpr int64_t kMinOffset = kKind == kKindQ4 ? 288 : 544;
-  const int64_t blocks = k / kQuantBlock;
-  auto half = [](const uint8_t* p) {
-    c10::Half h;
-    std::memcpy(&h, p, 2);
-    return static_cast<float>(h);
-  };
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n_out; ++c)
-      for (int64_t row = 0; row < rows; ++row) {
-        float f = 0.f;
-        for (int64_t b = 0; b < blocks; ++b) {
-          const uint8_t* blk = packed + (t * blocks + b) * kTileBytes;
-          const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
-          const int64_t rb = row * blocks + b;
-          int32_t dot = 0;
-          for (int64_t i = 0; i < kQuantBlock; ++i) {
-            int32_t wq;
-            if constexpr (kKind == kKindQ4) {
-              const uint8_t byte = blk[64 * ((i % 16) / 4) + 4 * c + i % 4];
-              wq = i < 16 ? (byte & 0x0F) : (byte >> 4);
-            } else {
-              wq = blk[64 * (i / 4) + 4 * c + i % 4];
-            }
-            dot += wq * xq[i];
-          }
-          if constexpr (kKind == kKindQ8) dot -= 128 * a.qsum[rb];
-          const float d = half(blk + (kKind == kKindQ4 ? 256 : 512) + 2 * c);
-          f = std::fma(static_cast<float>(dot), d * a.scale[rb], f);
-          if constexpr (kHasMin) f = std::fma(half(blk + kMinOffset + 2 * c), a.sum[rb], f);
-        }
-        y[row * n_out + t * kQuantTile + c] = f + (bias ? bias[t * kQuantTile + c] : 0.f);
+void tile_loop(PortableLoop, const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed,
+               int64_t t0, int64_t t1, float* y, int64_t n_out, const float* bias) {
+  constexpr BlockLayout L = block_layout(kKind);
+  auto block = [&](const uint8_t* blk, const int8_t* xq, int64_t rb, int64_t c, float& f) {
+    int32_t dot = 0;
+    for (int64_t i = 0; i < kQuantBlock; ++i) {
+      int32_t wq;
+      if constexpr (kKind == kKindQ4) {
+        const uint8_t byte = blk[64 * ((i % 16) / 4) + 4 * c + i % 4];
+        wq = i < 16 ? (byte & 0x0F) : (byte >> 4);
+      } else {
+        wq = blk[64 * (i / 4) + 4 * c + i % 4];
       }
+      dot += wq * xq[i];
+    }
+    if constexpr (kKind == kKindQ8) dot -= 128 * a.qsum[rb];
+    const float d = half_at(blk + L.scale_offset + 2 * c);
+    f = std::fma(static_cast<float>(dot), d * a.scale[rb], f);
+    if constexpr (L.has_min) f = std::fma(half_at(blk + L.min_offset + 2 * c), a.sum[rb], f);
+  };
+  walk_outputs<kQuantBlock, L.tile_bytes>(a, packed, k, t0, t1, rows, y, n_out, bias, block);
 }
+
+// The vector loops this build has.
+#if defined(CHATAPP_HAVE_VNNI)
+constexpr bool kHasVnni = true;
+#else
+constexpr bool kHasVnni = false;
+#endif
+#if defined(CHATAPP_HAVE_AVX2)
+constexpr bool kHasAvx2 = true;
+#else
+constexpr bool kHasAvx2 = false;
+#endif
 
 }  // namespace
 
@@ -356,19 +316,11 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
   quantize_rows(x, acts);
   const QuantizedActivations& a = acts;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    auto run = [&](auto kind_constant) {
-      constexpr int kKind = decltype(kind_constant)::value;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-      if (path == kPathVnni) return tiles_vnni<kKind>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-#endif
-#if defined(CHATAPP_HAVE_AVX2)
-      if (path == kPathAvx2) return tiles_avx2<kKind>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-#endif
-      tiles_portable<kKind>(a, rows, k, pp, t0, t1, yp, out_features, bp);
-    };
-    if (kind == kKindQ4) run(std::integral_constant<int, kKindQ4>{});
-    else if (kind == kKindQ8) run(std::integral_constant<int, kKindQ8>{});
-    else run(std::integral_constant<int, kKindQ8M>{});
+    on_path(path, [&](auto loop) {
+      if (kind == kKindQ4) tile_loop<kKindQ4>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else if (kind == kKindQ8) tile_loop<kKindQ8>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else tile_loop<kKindQ8M>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
+    });
   });
   return y;
 }

@@ -27,16 +27,15 @@
 //         then d[16] fp16 @3072, sc[16 sub-blocks][16] int8 @3104.
 // gguf_repack.cpp writes all three.
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "avx2_dot.h"
 #include "block_quant.h"
+#include "tile_walk.h"
 
 namespace {
 
@@ -106,12 +105,6 @@ constexpr KindLayout layout_of(int64_t kind) {
                             : KindLayout{kQ6KTileBytes, 3072, 0, 3104, 0, 2048, 128};
 }
 
-inline float half_at(const uint8_t* p) {
-  c10::Half h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(h);
-}
-
 // The code of channel c's input i (0..255) of a (tile, super-block), as the kernel sees it.
 template <int64_t kKind>
 inline int32_t code_at(const uint8_t* blk, int64_t c, int64_t i) {
@@ -127,45 +120,31 @@ inline int32_t code_at(const uint8_t* blk, int64_t c, int64_t i) {
 }
 
 template <int64_t kKind>
-void tiles_portable(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
-                    int64_t t1, float* y, int64_t n_out, const float* bias) {
+void tile_loop(PortableLoop, const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed,
+               int64_t t0, int64_t t1, float* y, int64_t n_out, const float* bias) {
   constexpr KindLayout L = layout_of(kKind);
-  const int64_t blocks = k / kSuperBlock;
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n_out; ++c)
-      for (int64_t row = 0; row < rows; ++row) {
-        float f = 0.f;
-        for (int64_t b = 0; b < blocks; ++b) {
-          const uint8_t* blk = packed + (t * blocks + b) * L.tile_bytes;
-          const int8_t* xq = a.q.data() + row * k + b * kSuperBlock;
-          const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16;
-          const float dx = a.scale[row * blocks + b];
-          int32_t isum = 0, imin = 0;
-          for (int64_t s = 0; s < 16; ++s) {  // sub-blocks of 16 inputs
-            int32_t dot = 0;
-            for (int64_t i = 16 * s; i < 16 * s + 16; ++i) dot += code_at<kKind>(blk, c, i) * xq[i];
-            if constexpr (kKind == kKindQ6K) {
-              isum += static_cast<int8_t>(blk[L.sc_offset + 16 * s + c]) * (dot - 32 * xs[s]);
-            } else {
-              isum += blk[L.sc_offset + 16 * (s / 2) + c] * dot;
-              imin += blk[L.m_offset + 16 * (s / 2) + c] * xs[s];
-            }
-          }
-          f = std::fma(static_cast<float>(isum), half_at(blk + L.d_offset + 2 * c) * dx, f);
-          if constexpr (kKind != kKindQ6K)
-            f = std::fma(-static_cast<float>(imin), half_at(blk + L.dmin_offset + 2 * c) * dx, f);
-        }
-        y[row * n_out + t * kQuantTile + c] = f + (bias ? bias[t * kQuantTile + c] : 0.f);
+  auto block = [&](const uint8_t* blk, const int8_t* xq, int64_t rb, int64_t c, float& f) {
+    const int32_t* xs = a.sum16.data() + rb * 16;
+    const float dx = a.scale[rb];
+    int32_t isum = 0, imin = 0;
+    for (int64_t s = 0; s < 16; ++s) {  // sub-blocks of 16 inputs
+      int32_t dot = 0;
+      for (int64_t i = 16 * s; i < 16 * s + 16; ++i) dot += code_at<kKind>(blk, c, i) * xq[i];
+      if constexpr (kKind == kKindQ6K) {
+        isum += static_cast<int8_t>(blk[L.sc_offset + 16 * s + c]) * (dot - 32 * xs[s]);
+      } else {
+        isum += blk[L.sc_offset + 16 * (s / 2) + c] * dot;
+        imin += blk[L.m_offset + 16 * (s / 2) + c] * xs[s];
       }
+    }
+    f = std::fma(static_cast<float>(isum), half_at(blk + L.d_offset + 2 * c) * dx, f);
+    if constexpr (kKind != kKindQ6K)
+      f = std::fma(-static_cast<float>(imin), half_at(blk + L.dmin_offset + 2 * c) * dx, f);
+  };
+  walk_outputs<kSuperBlock, L.tile_bytes>(a, packed, k, t0, t1, rows, y, n_out, bias, block);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+#if defined(CHATAPP_HAVE_VNNI)
 
 // The 8 registers of group g's codes (register j: inputs 4j..4j+3 of 16 channels), with the group's
 // integer scales (sc0 for inputs 0-15, sc1 for 16-31) and minimums.
@@ -230,15 +209,9 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
   // the memory bus busy (measured: 17 GB/s into L1 at 4 ahead, 25 into L2 at 8, 2 threads).
   constexpr int64_t kAhead = 8;
   const int64_t blocks = k / kSuperBlock;
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = packed + t * blocks * L.tile_bytes;
-    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  auto tile_row = [&](const uint8_t* tile, int64_t n0, const TileOut512& out) CHATAPP_INLINE {
     __m512 f = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = tile + b * L.tile_bytes;
-      for (int64_t off = 0; off < L.tile_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * L.tile_bytes + off), _MM_HINT_T1);
+    for_each_block<L.tile_bytes>(tile, blocks, kAhead, true, [&](const uint8_t* blk, int64_t b) CHATAPP_INLINE {
       const int8_t* xq = a.q.data() + row * k + b * kSuperBlock;
       const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16;
       __m512i isum = _mm512_setzero_si512(), imin = _mm512_setzero_si512();
@@ -262,15 +235,15 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
         f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), f);
       }
-    }
-    const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    _mm512_mask_storeu_ps(y + row * n_out + n0, mask, _mm512_add_ps(f, bias_v));
-  }
+    });
+    out.store(f, y + row * n_out + n0);
+  };
+  for_each_tile<TileOut512, L.tile_bytes>(packed, blocks, t0, t1, n_out, bias, tile_row);
 }
 
 template <int64_t kKind>
-void tiles_vnni(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
-                int64_t t1, float* y, int64_t n_out, const float* bias) {
+void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+               int64_t t1, float* y, int64_t n_out, const float* bias) {
   constexpr KindLayout L = layout_of(kKind);
   constexpr int64_t kRows = 32;
   const int64_t blocks = k / kSuperBlock;
@@ -278,66 +251,51 @@ void tiles_vnni(const SuperBlockActivations& a, int64_t rows, int64_t k, const u
   alignas(64) int32_t isum[kRows * kQuantTile];
   alignas(64) int32_t imin[kRows * kQuantTile];
   if (rows == 1) return tiles_one_row_vnni<kKind>(a, 0, k, packed, t0, t1, y, n_out, bias);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = packed + t * blocks * L.tile_bytes;
-    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
-      const int64_t count = std::min(kRows, rows - m0);
-      for (int64_t r = 0; r < count; ++r) _mm512_store_ps(acc + r * kQuantTile, _mm512_setzero_ps());
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = tile + b * L.tile_bytes;
-        if (m0 == 0)  // the first rows' pass brings the tile in; later passes find it in L2
-          for (int64_t off = 0; off < L.tile_bytes; off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * L.tile_bytes + off), _MM_HINT_T1);
-        for (int64_t r = 0; r < count; ++r) {
-          _mm512_store_si512(isum + r * kQuantTile, _mm512_setzero_si512());
-          if constexpr (kKind != kKindQ6K) _mm512_store_si512(imin + r * kQuantTile, _mm512_setzero_si512());
-        }
-        for (int64_t g = 0; g < 8; ++g) {
-          __m512i w[8], sc0, sc1, mv;
-          load_group<kKind>(blk, g, w, sc0, sc1, mv);
-          for (int64_t r = 0; r < count; ++r) {
-            const int64_t row = m0 + r;
-            const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
-            const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
-            __m512i s0 = dot_chain(w, xq), s1 = dot_chain(w + 4, xq + 16);
-            int32_t* is = isum + r * kQuantTile;
-            __m512i total = _mm512_load_si512(is);
-            if constexpr (kKind == kKindQ6K) {
-              s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * xs[0]));
-              s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * xs[1]));
-              total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
-            } else {
-              total = _mm512_add_epi32(total, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc0));
-              int32_t* im = imin + r * kQuantTile;
-              _mm512_store_si512(im, _mm512_add_epi32(_mm512_load_si512(im),
-                                                      _mm512_mullo_epi32(mv, _mm512_set1_epi32(xs[0] + xs[1]))));
-            }
-            _mm512_store_si512(is, total);
-          }
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
-        __m512 dmin = _mm512_setzero_ps();
-        if constexpr (kKind != kKindQ6K)
-          dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
-        for (int64_t r = 0; r < count; ++r) {
-          const __m512 dx = _mm512_set1_ps(a.scale[(m0 + r) * blocks + b]);
-          float* out = acc + r * kQuantTile;
-          __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum + r * kQuantTile)),
-                                     _mm512_mul_ps(d, dx), _mm512_load_ps(out));
-          if constexpr (kKind != kKindQ6K)
-            f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(imin + r * kQuantTile)),
-                                 _mm512_mul_ps(dmin, dx), f);
-          _mm512_store_ps(out, f);
-        }
-      }
-      for (int64_t r = 0; r < count; ++r)
-        _mm512_mask_storeu_ps(y + (m0 + r) * n_out + n0, mask,
-                              _mm512_add_ps(_mm512_load_ps(acc + r * kQuantTile), bias_v));
+  auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
+    for (int64_t r = 0; r < count; ++r) {
+      _mm512_store_si512(isum + r * kQuantTile, _mm512_setzero_si512());
+      if constexpr (kKind != kKindQ6K) _mm512_store_si512(imin + r * kQuantTile, _mm512_setzero_si512());
     }
-  }
+    for (int64_t g = 0; g < 8; ++g) {
+      __m512i w[8], sc0, sc1, mv;
+      load_group<kKind>(blk, g, w, sc0, sc1, mv);
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t row = m0 + r;
+        const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
+        const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
+        __m512i s0 = dot_chain(w, xq), s1 = dot_chain(w + 4, xq + 16);
+        int32_t* is = isum + r * kQuantTile;
+        __m512i total = _mm512_load_si512(is);
+        if constexpr (kKind == kKindQ6K) {
+          s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * xs[0]));
+          s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * xs[1]));
+          total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
+        } else {
+          total = _mm512_add_epi32(total, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc0));
+          int32_t* im = imin + r * kQuantTile;
+          _mm512_store_si512(im, _mm512_add_epi32(_mm512_load_si512(im),
+                                                  _mm512_mullo_epi32(mv, _mm512_set1_epi32(xs[0] + xs[1]))));
+        }
+        _mm512_store_si512(is, total);
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
+    __m512 dmin = _mm512_setzero_ps();
+    if constexpr (kKind != kKindQ6K)
+      dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
+    for (int64_t r = 0; r < count; ++r) {
+      const __m512 dx = _mm512_set1_ps(a.scale[(m0 + r) * blocks + b]);
+      float* out = acc + r * kQuantTile;
+      __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum + r * kQuantTile)),
+                                 _mm512_mul_ps(d, dx), _mm512_load_ps(out));
+      if constexpr (kKind != kKindQ6K)
+        f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(imin + r * kQuantTile)),
+                             _mm512_mul_ps(dmin, dx), f);
+      _mm512_store_ps(out, f);
+    }
+  };
+  // Only the first rows' pass prefetches (2 super-blocks ahead): it brings the tile in; later passes find it in L2.
+  walk_tiles<TileOut512, kRows, L.tile_bytes, true>(packed, blocks, t0, t1, rows, 2, acc, y, n_out, bias, block);
 }
 #endif
 
@@ -391,8 +349,8 @@ inline __m256i dot_chain_avx2(const __m256i w[4], const int8_t* xq) {
 }
 
 template <int64_t kKind>
-void tiles_avx2(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
-                int64_t t1, float* y, int64_t n_out, const float* bias) {
+void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
+               int64_t t1, float* y, int64_t n_out, const float* bias) {
   constexpr KindLayout L = layout_of(kKind);
   constexpr int64_t kRows = 32;
   const int64_t blocks = k / kSuperBlock;
@@ -400,76 +358,51 @@ void tiles_avx2(const SuperBlockActivations& a, int64_t rows, int64_t k, const u
   alignas(32) float acc[kRows * kQuantTile];
   alignas(32) int32_t isum[kRows * kQuantTile];
   alignas(32) int32_t imin[kRows * kQuantTile];
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = packed + t * blocks * L.tile_bytes;
-    const int64_t n0 = t * kQuantTile, valid = std::min<int64_t>(kQuantTile, n_out - n0);
-    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
-      const int64_t count = std::min(kRows, rows - m0);
-      for (int64_t i = 0; i < count * kQuantTile; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = tile + b * L.tile_bytes;
-        if (m0 == 0)
-          for (int64_t off = 0; off < L.tile_bytes; off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * L.tile_bytes + off), _MM_HINT_T1);
-        for (int64_t i = 0; i < count * kQuantTile; i += 8) {
-          _mm256_store_si256(reinterpret_cast<__m256i*>(isum + i), _mm256_setzero_si256());
-          _mm256_store_si256(reinterpret_cast<__m256i*>(imin + i), _mm256_setzero_si256());
-        }
-        for (int64_t g = 0; g < 8; ++g)
-          for (int h = 0; h < 2; ++h) {
-            __m256i w[8], sc0, sc1, mv;
-            load_group_avx2<kKind>(blk, g, h, w, sc0, sc1, mv);
-            for (int64_t r = 0; r < count; ++r) {
-              const int64_t row = m0 + r;
-              const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
-              const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
-              __m256i s0 = dot_chain_avx2(w, xq), s1 = dot_chain_avx2(w + 4, xq + 16);
-              __m256i* is = reinterpret_cast<__m256i*>(isum + r * kQuantTile + 8 * h);
-              if constexpr (kKind == kKindQ6K) {
-                s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xs[0]));
-                s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * xs[1]));
-                *is = _mm256_add_epi32(*is, _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1)));
-              } else {
-                *is = _mm256_add_epi32(*is, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), sc0));
-                __m256i* im = reinterpret_cast<__m256i*>(imin + r * kQuantTile + 8 * h);
-                *im = _mm256_add_epi32(*im, _mm256_mullo_epi32(mv, _mm256_set1_epi32(xs[0] + xs[1])));
-              }
-            }
-          }
-        for (int h = 0; h < 2; ++h) {
-          const __m256 d = half8(blk + L.d_offset + 16 * h);
-          const __m256 dmin = kKind != kKindQ6K ? half8(blk + L.dmin_offset + 16 * h) : _mm256_setzero_ps();
-          for (int64_t r = 0; r < count; ++r) {
-            const __m256 dx = _mm256_set1_ps(a.scale[(m0 + r) * blocks + b]);
-            float* out = acc + r * kQuantTile + 8 * h;
-            const int64_t at = r * kQuantTile + 8 * h;
-            __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(isum + at))),
-                                       _mm256_mul_ps(d, dx), _mm256_load_ps(out));
-            if constexpr (kKind != kKindQ6K)
-              f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(imin + at))),
-                                   _mm256_mul_ps(dmin, dx), f);
-            _mm256_store_ps(out, f);
+  auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
+    for (int64_t i = 0; i < count * kQuantTile; i += 8) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(isum + i), _mm256_setzero_si256());
+      _mm256_store_si256(reinterpret_cast<__m256i*>(imin + i), _mm256_setzero_si256());
+    }
+    for (int64_t g = 0; g < 8; ++g)
+      for (int h = 0; h < 2; ++h) {
+        __m256i w[8], sc0, sc1, mv;
+        load_group_avx2<kKind>(blk, g, h, w, sc0, sc1, mv);
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t row = m0 + r;
+          const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
+          const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
+          __m256i s0 = dot_chain_avx2(w, xq), s1 = dot_chain_avx2(w + 4, xq + 16);
+          __m256i* is = reinterpret_cast<__m256i*>(isum + r * kQuantTile + 8 * h);
+          if constexpr (kKind == kKindQ6K) {
+            s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xs[0]));
+            s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * xs[1]));
+            *is = _mm256_add_epi32(*is, _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1)));
+          } else {
+            *is = _mm256_add_epi32(*is, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), sc0));
+            __m256i* im = reinterpret_cast<__m256i*>(imin + r * kQuantTile + 8 * h);
+            *im = _mm256_add_epi32(*im, _mm256_mullo_epi32(mv, _mm256_set1_epi32(xs[0] + xs[1])));
           }
         }
       }
-      for (int64_t r = 0; r < count; ++r)
-        store_tile_outputs(acc + r * kQuantTile, y + (m0 + r) * n_out + n0, valid, bias ? bias + n0 : nullptr);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = half8(blk + L.d_offset + 16 * h);
+      const __m256 dmin = kKind != kKindQ6K ? half8(blk + L.dmin_offset + 16 * h) : _mm256_setzero_ps();
+      for (int64_t r = 0; r < count; ++r) {
+        const __m256 dx = _mm256_set1_ps(a.scale[(m0 + r) * blocks + b]);
+        float* out = acc + r * kQuantTile + 8 * h;
+        const int64_t at = r * kQuantTile + 8 * h;
+        __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(isum + at))),
+                                   _mm256_mul_ps(d, dx), _mm256_load_ps(out));
+        if constexpr (kKind != kKindQ6K)
+          f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(imin + at))),
+                               _mm256_mul_ps(dmin, dx), f);
+        _mm256_store_ps(out, f);
+      }
     }
-  }
+  };
+  walk_tiles<TileOut256, kRows, L.tile_bytes, true>(packed, blocks, t0, t1, rows, ahead, acc, y, n_out, bias, block);
 }
 #endif
-
-template <int64_t kKind>
-void run_tiles(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
-               int64_t t1, float* y, int64_t n_out, const float* bias, KernelPath path) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
-  if (path == kPathVnni) return tiles_vnni<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
-#endif
-#if defined(CHATAPP_HAVE_AVX2)
-  if (path == kPathAvx2) return tiles_avx2<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
-#endif
-  tiles_portable<kKind>(a, rows, k, packed, t0, t1, y, n_out, bias);
-}
 
 }  // namespace
 
@@ -480,8 +413,10 @@ void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, in
   const SuperBlockActivations& a = acts;
   const int64_t rows = x.size(0), k = x.size(1);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    if (kind == kKindQ4K) run_tiles<kKindQ4K>(a, rows, k, packed, t0, t1, y, out_features, bias, path);
-    else if (kind == kKindQ5K) run_tiles<kKindQ5K>(a, rows, k, packed, t0, t1, y, out_features, bias, path);
-    else run_tiles<kKindQ6K>(a, rows, k, packed, t0, t1, y, out_features, bias, path);
+    on_path(path, [&](auto loop) {
+      if (kind == kKindQ4K) tile_loop<kKindQ4K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
+      else if (kind == kKindQ5K) tile_loop<kKindQ5K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
+      else tile_loop<kKindQ6K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
+    });
   });
 }
