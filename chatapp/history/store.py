@@ -367,36 +367,11 @@ class HistoryStore:
 
     @staticmethod
     def _message(row: tuple[Any, ...]) -> Message:
-        (
-            mid,
-            sid,
-            parent,
-            role,
-            content,
-            status,
-            created,
-            model,
-            prompt_tokens,
-            completion_tokens,
-            tps,
-            ttft,
-            error,
-            truncated,
-        ) = row
+        # The columns of _MESSAGE_FIELDS in order: eight plain ones, the four metrics, error, truncated.
+        plain = cast("tuple[int, int, int | None, Role, str, Status, float, str | None]", row[:8])
+        prompt_tokens, completion_tokens, tps, ttft, error, truncated = row[8:]
         metrics = Metrics(prompt_tokens, completion_tokens, tps, ttft)
-        return Message(
-            mid,
-            sid,
-            parent,
-            role,
-            content,
-            status,
-            created,
-            model,
-            None if metrics.is_empty() else metrics,
-            error,
-            bool(truncated),
-        )
+        return Message(*plain, None if metrics.is_empty() else metrics, error, bool(truncated))
 
     def _get_session(self, conn: sqlite3.Connection, session_id: int) -> Session:
         row = conn.execute(f"SELECT {self._SESSION_COLUMNS} FROM sessions WHERE id = ?", (session_id,)).fetchone()
