@@ -28,12 +28,18 @@ def tui_log_path() -> Path:
     return paths.log_dir() / TUI_LOG_NAME
 
 
-def log_to_file(verbose: bool) -> Path:
-    """The TUI: every log line (and Python warning) to a rotating file, none to the terminal."""
-    path = tui_log_path()
-    handler = logging.handlers.RotatingFileHandler(
-        path, maxBytes=TUI_LOG_BYTES, backupCount=TUI_LOG_BACKUPS, encoding="utf-8"
-    )
+def log_to_file(verbose: bool) -> Path | None:
+    """The TUI: every log line (and Python warning) to a rotating file, none to the terminal. A log
+    that cannot be written (a read-only home) is no reason not to start: then lines go nowhere."""
+    path: Path | None = None
+    handler: logging.Handler = logging.NullHandler()
+    try:
+        path = tui_log_path()
+        handler = logging.handlers.RotatingFileHandler(
+            path, maxBytes=TUI_LOG_BYTES, backupCount=TUI_LOG_BACKUPS, encoding="utf-8"
+        )
+    except OSError:
+        path = None
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root = logging.getLogger()
     for old in root.handlers[:]:

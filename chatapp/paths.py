@@ -31,7 +31,11 @@ def cache_dir() -> Path:
 def data_dir() -> Path:
     """Chat history: data the user would be sad to lose, and nobody else's to read (mode 0700)."""
     path = _dir("CHATAPP_DATA_DIR", platformdirs.user_data_dir)
-    os.chmod(path, 0o700)
+    try:
+        if path.stat().st_uid == os.getuid():  # a directory someone else gave us is theirs to set
+            os.chmod(path, 0o700)
+    except OSError:
+        pass  # the history's own file is still 0600
     return path
 
 

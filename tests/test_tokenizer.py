@@ -157,3 +157,11 @@ def test_continue_final_message_renders_the_answer_open(pair) -> None:
     assert tokenizer.decode(ids, skip_special_tokens=False) == open_text
     with pytest.raises(ChatFormatError, match="end with an assistant"):
         tokenizer.render_chat(messages[:1], continue_final_message=True)
+    # A short answer is found where its turn starts, not inside the end-of-turn marker ("<|im_end|>").
+    short = tokenizer.render_chat([messages[0], {"role": "assistant", "content": "im"}], continue_final_message=True)
+    assert tokenizer.decode(short, skip_special_tokens=False).endswith("<|im_start|>assistant\nim")
+    # The answer's own trailing space is where the model goes on from.
+    spaced = tokenizer.render_chat(
+        [messages[0], {"role": "assistant", "content": "Rayleigh "}], continue_final_message=True
+    )
+    assert tokenizer.decode(spaced, skip_special_tokens=False).endswith("assistant\nRayleigh ")

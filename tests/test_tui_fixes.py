@@ -596,3 +596,137 @@ def test_fallback_titles_come_from_the_question() -> None:
     assert titles.clean("Title: **Paged attention**.") == "Paged attention"
     assert titles.clean("x" * 80) is None and titles.clean("\n\n") is None
     assert titles.is_placeholder("Chat 12") and not titles.is_placeholder("Chat about cats")
+    assert titles.clean("<think>\nThe user wants a title") is None  # a reasoning model still thinking
+    assert titles.clean("<think>ok</think>\nCats and Dogs") == "Cats and Dogs"
+    assert titles.clean("Sure! Here is a title:") is None
+
+
+async def test_a_slow_continuation_saves_its_text_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The continued answer streams again in the history too: its partial saves land."""
+    monkeypatch.setattr(chat_pane, "SAVE_S", 0.0)
+    client = FakeClient(reply="one two three ", finish_reason="length")
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "count")
+        await wait_for(pilot, lambda: answered(pane), "the first part")
+        answer = pane.conversation.path()[-1]
+        hold = asyncio.Event()
+        client.reply, client.finish_reason, client.hold, client.hold_after = "four five six", "stop", hold, 2
+        await pilot.press("alt+n")
+
+        def saved() -> tuple[str, str]:
+            with HistoryStore(tmp_path / "history.sqlite3") as store:
+                m = store.get_message(answer.db_id)
+            return m.status, m.content
+
+        await wait_for(pilot, lambda: saved() == ("streaming", "one two three four fiv"), "the partial saved")
+        assert not app.recorder.failing
+        hold.set()
+        await wait_for(pilot, lambda: answered(pane), "the continuation")
+        assert saved() == ("complete", "one two three four five six") and not app.recorder.failing
+
+
+class NoContinueClient(FakeClient):
+    """A server without continue_final_message: it refuses such a request outright."""
+
+    async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[OutputDelta]:
+        if kwargs.get("continue_final_message"):
+            from chatapp.engine.api import InvalidRequestError
+
+            raise InvalidRequestError("continue_final_message is not supported", "continue_final_message")
+        async for delta in super().generate(*args, **kwargs):
+            yield delta
+
+
+async def test_a_continuation_that_fails_at_once_leaves_the_answer_as_it_was(tmp_path: Path) -> None:
+    client = NoContinueClient(reply="cut here", finish_reason="length")
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "q")
+        await wait_for(pilot, lambda: answered(pane), "answer")
+        answer = pane.conversation.path()[-1]
+        metrics = answer.metrics
+        await pilot.press("alt+n")
+        await wait_for(pilot, lambda: not pane.busy and answer.status != "streaming", "the attempt ended")
+        await pilot.pause()
+        assert (answer.status, answer.truncated, answer.content, answer.metrics) == (
+            "complete",
+            True,
+            "cut here",
+            metrics,
+        )
+        assert any("Could not continue" in str(n.message) for n in app._notifications)
+        session_id = pane.config.db_id
+        await app.action_quit()
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        stored = store.path(session_id)[-1]
+    assert (stored.status, stored.truncated, stored.content) == ("complete", True, "cut here")
+
+
+async def test_the_delete_key_edits_the_sessions_search_and_deleting_asks_with_cancel_focused(tmp_path: Path) -> None:
+    from textual.widgets import DataTable, Input
+
+    from chatapp.tui.screens.confirm import ConfirmScreen
+    from chatapp.tui.screens.sessions import SessionsScreen
+
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        closed = store.create_session("closed one")
+        store.add_message(closed.id, None, "user", "hi")
+        store.update_session(closed.id, archived=True)
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f7")
+        await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), "sessions list")
+        search = app.screen.query_one("#search", Input)
+        search.focus()
+        await pilot.press(*"clo", "left", "delete")  # forward-delete in the box, not "delete a session"
+        await pilot.pause()
+        assert search.value == "cl" and not isinstance(app.screen, ConfirmScreen)
+        table = app.screen.query_one(DataTable)
+        table.focus()
+        await pilot.press("delete")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), "asked")
+        await pilot.press("enter")  # Enter on the focused button: Cancel
+        await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen), "back, nothing deleted")
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        assert store.get_session(closed.id).title == "closed one"
+
+
+async def test_editing_a_sent_message_keeps_the_unsent_draft(tmp_path: Path) -> None:
+    client = FakeClient()
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "first question")
+        await wait_for(pilot, lambda: answered(pane), "answer")
+        pane.prompt.focus()
+        await pilot.press(*"my draft")
+        await pilot.press("alt+e")  # edit the sent message: the prompt shows it
+        await wait_for(pilot, lambda: pane.prompt.text == "first question", "editing")
+        pane.save_draft()  # (a timer or quitting would do it): the draft is not overwritten
+        await pilot.press("escape")  # cancel the edit: the draft is back
+        await wait_for(pilot, lambda: pane.prompt.text == "my draft", "draft back after cancel")
+        await pilot.press("alt+e")
+        await wait_for(pilot, lambda: pane.prompt.text == "first question", "editing again")
+        pane.prompt.text = "first question, edited"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(client.requests) == 2 and answered(pane), "the edit sent")
+        assert pane.prompt.text == "my draft"
+        session_id = pane.config.db_id
+        await app.action_quit()
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        assert store.get_session(session_id).draft == "my draft"
+
+
+def test_an_unwritable_log_directory_does_not_stop_the_tui(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, restored_logging: None
+) -> None:
+    from chatapp.logs import log_to_file
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the log directory would be")
+    monkeypatch.setenv("CHATAPP_LOG_DIR", str(blocker / "logs"))
+    assert log_to_file(verbose=False) is None
+    logging.getLogger("x").warning("goes nowhere, raises nothing")

@@ -298,11 +298,7 @@ class Tokenizer:
         except Exception as exc:  # templates raise their own errors (e.g. "roles must alternate")
             raise ChatFormatError(f"the model's chat template rejected the conversation: {exc}") from exc
         if continue_final_message:
-            final = messages[-1]["content"]
-            end = text.rfind(final)
-            if end == -1:
-                raise ChatFormatError("the model's chat template changed the final message; it cannot be continued")
-            text = text[: end + len(final)]
+            text = self._open_final_turn(text, messages, tools)
         ids: list[int] = []
         pos = 0
         for message in messages:
@@ -316,6 +312,28 @@ class Tokenizer:
             self._generated.move_to_end(message["content"])
             pos = at + len(message["content"])
         return ids + self._encode_piece(text[pos:])
+
+    def _open_final_turn(self, text: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """``text`` (the whole conversation, rendered closed) cut just after the final answer's text.
+
+        The answer is looked for after where its turn starts (the conversation before it, rendered with a
+        generation prompt), so a short answer cannot be found inside the end-of-turn marker; and as it
+        stands stripped, as templates that trim content (Llama 3, Gemma) render it. Its own trailing
+        whitespace, if the template dropped it, is put back: the model goes on from what it wrote."""
+        final: str = messages[-1]["content"]
+        core = final.strip()
+        start = 0
+        try:
+            head = self.hf.apply_chat_template(messages[:-1], add_generation_prompt=True, tools=tools)
+            if text.startswith(head):
+                start = len(head)
+        except Exception:  # noqa: BLE001  a template that cannot render the shorter conversation: search it all
+            start = 0
+        at = text.find(core, start) if start else text.rfind(core)
+        if not core or at == -1:
+            raise ChatFormatError("the model's chat template changed the final message; it cannot be continued")
+        end = at + len(core)
+        return text[:end] + final[len(final.rstrip()) :]
 
     def _encode_piece(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False) if text else []

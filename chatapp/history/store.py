@@ -546,6 +546,19 @@ class HistoryStore:
         """An empty assistant message with status ``streaming``, saved before the first token."""
         return self.add_message(session_id, parent_id, "assistant", "", model=model, status="streaming", select=select)
 
+    def reopen_answer(self, message_id: int) -> Message:
+        """Make a finished answer ``streaming`` again, to go on with it (Continue): its partial saves
+        land and, should this process die, the next open marks it incomplete with its text kept."""
+        with self._write() as conn:
+            message = self._get_message(conn, message_id)
+            if message.role != "assistant":
+                raise ValueError(f"message {message_id} is not an answer")
+            writer = self._writer.token if self._writer else None
+            conn.execute(
+                "UPDATE messages SET status = 'streaming', writer = ?, truncated = 0 WHERE id = ?", (writer, message_id)
+            )
+            return self._get_message(conn, message_id)
+
     def update_partial(self, message_id: int, content: str) -> None:
         """Save the text a streaming answer has so far (the whole text, not a delta).
 

@@ -196,7 +196,10 @@ class ChatApp(App[None]):
             for pane in main.panes:
                 pane.save_draft()  # typed but not sent: back in the prompt next time
                 pane.stop()
-            await self.workers.wait_for_complete([w for w in self.workers if w.group == "generate"])
+            for worker in self.workers:
+                if worker.group == "titles":  # a title can wait for the next run
+                    worker.cancel()
+            await self.workers.wait_for_complete([w for w in self.workers if w.group in ("generate", "titles")])
         if self._server is not None:
             try:
                 await self._server.stop()
@@ -299,7 +302,11 @@ class ChatApp(App[None]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.settings.keys, tui_log_path()))
+            try:
+                log_path: Path | None = tui_log_path()
+            except OSError:  # no log directory to be had: the help still opens
+                log_path = None
+            self.push_screen(HelpScreen(self.settings.keys, log_path))
 
     @work(group="screens")
     async def action_settings(self) -> None:

@@ -60,6 +60,11 @@ class Recorder:
         if self.store is not None and session_id is not None:
             self._call(self.store.update_session, session_id, **changes)
 
+    def reopen(self, node: Node) -> None:
+        """A saved answer streams again (it is being continued)."""
+        if self.store is not None and node.db_id is not None:
+            self._call(self.store.reopen_answer, node.db_id)
+
     def delete_session(self, session_id: int | None) -> None:
         if self.store is not None and session_id is not None:
             self._call(self.store.delete_session, session_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from chatapp.engine.api import EngineClient
+from chatapp.engine.reasoning import split_reasoning
 from chatapp.engine.sampling_params import SamplingParams
 
 PLACEHOLDER = re.compile(r"^Chat \d+$")
@@ -31,8 +32,12 @@ def from_question(question: str) -> str:
 
 
 def clean(text: str) -> str | None:
-    """A model's answer as a title: one line, no quotes, "Title:" or final full stop; None if unusable."""
+    """A model's answer as a title: one line, no quotes, "Title:" or final full stop; None if unusable
+    (a reasoning model still thinking, a preamble such as "Sure! Here is a title:")."""
+    _thought, text = split_reasoning(text)
     line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    if line.startswith("<") or line.endswith(":"):
+        return None
     line = re.sub(r"^(title\s*:\s*)", "", line, flags=re.IGNORECASE)
     line = line.strip().strip("\"'*#`.").strip()
     if not line or len(line) > MAX_TITLE_CHARS:

@@ -18,9 +18,11 @@ class ConfirmScreen(ModalScreen[bool]):
         Binding("y", "answer(True)", "Yes"),
     ]
 
-    def __init__(self, question: str, yes: str = "Yes", no: str = "Cancel") -> None:
+    def __init__(self, question: str, yes: str = "Yes", no: str = "Cancel", *, focus_yes: bool = True) -> None:
+        """``focus_yes=False`` for what cannot be undone: Enter then means no."""
         super().__init__()
         self._question, self._yes, self._no = question, yes, no
+        self._focus_yes = focus_yes
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
@@ -30,7 +32,7 @@ class ConfirmScreen(ModalScreen[bool]):
                 yield Button(self._no, id="no")
 
     def on_mount(self) -> None:
-        self.query_one("#yes", Button).focus()
+        self.query_one("#yes" if self._focus_yes else "#no", Button).focus()
 
     @on(Button.Pressed)
     def _pressed(self, event: Button.Pressed) -> None:

@@ -166,7 +166,7 @@ class MainScreen(Screen[None]):
         config = self.services.create_session_config()
         await self.add_pane(config, Conversation())
 
-    @work
+    @work(exclusive=True, group="close-session")  # a held F8 closes one pane at a time
     async def action_close_session(self) -> None:
         pane = self.active_pane
         if pane is None:
@@ -181,7 +181,8 @@ class MainScreen(Screen[None]):
         pane.save_draft()
         pane.stop()
         index = self.panes.index(pane)
-        empty = not pane.conversation.roots and not pane.config.draft
+        c = pane.config
+        empty = not pane.conversation.roots and not c.draft and not c.system_prompt and not c.is_remote
         if empty:  # nothing to come back to: no "Chat N" left behind in the sessions list
             self.services.recorder.delete_session(pane.config.db_id)
         else:

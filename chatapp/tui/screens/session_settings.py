@@ -49,6 +49,7 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
                                 yield Input("" if value is None else str(value), id=f"s-{name}")
                 yield Label("Stop strings (one a line): the answer ends before any of them")
                 stops = c.sampling.get("stop") or []
+                stops = [stops] if isinstance(stops, str) else stops  # one string (an imported session)
                 yield TextArea("\n".join(stops), id="s-stop", classes="short-text")
                 yield Label("Answers come from")
                 yield Select(

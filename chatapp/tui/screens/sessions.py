@@ -39,7 +39,7 @@ class SessionsScreen(ModalScreen[int | None]):
         Binding("escape", "close", "Close"),
         Binding("down", "focus_table", "Results", show=False),
         Binding("ctrl+s", "export", "Export", priority=True),
-        Binding("delete", "delete", "Delete", priority=True),
+        Binding("delete", "delete", "Delete"),  # not a priority: in the search box it deletes a character
     ]
 
     def __init__(self, services: SessionsScreenServices) -> None:
@@ -138,7 +138,7 @@ class SessionsScreen(ModalScreen[int | None]):
             return
         title = session.title or "Untitled"
         question = f"Delete {title!r} and its {count} message{'s' if count != 1 else ''}? This cannot be undone."
-        if not await self.app.push_screen_wait(ConfirmScreen(question, yes="Delete")):
+        if not await self.app.push_screen_wait(ConfirmScreen(question, yes="Delete", focus_yes=False)):
             return
         try:
             store.delete_session(sid)

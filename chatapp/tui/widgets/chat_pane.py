@@ -94,6 +94,7 @@ class ChatPane(Vertical):
         self._n_out = 0
         self._draft_timer: Timer | None = None
         self._typed = config.draft  # the prompt's text as of its last change (kept here for on_unmount)
+        self._before_continue: tuple[str, bool, Metrics | None, int] | None = None
 
     # -- layout -------------------------------------------------------------------------------
 
@@ -133,7 +134,9 @@ class ChatPane(Vertical):
         if self._draft_timer is not None:
             self._draft_timer.stop()
             self._draft_timer = None
-        text = "" if self.editing is not None else self._typed
+        if self.editing is not None:
+            return  # the prompt holds a sent message being edited; the draft is stashed (start_edit)
+        text = self._typed
         if text != self.config.draft:
             self.config.draft = text
             self.services.recorder.update_session(self.config.db_id, draft=text)
@@ -215,10 +218,13 @@ class ChatPane(Vertical):
             parent = parent.parent
         user = self.conversation.add(parent, "user", text)
         self.services.recorder.save(self.config.db_id, user)
-        self.editing = None
-        self.prompt.clear()
-        self._typed = ""
-        self.save_draft()
+        if editing is not None:
+            self.editing = None
+            self._restore_draft()  # the edited message went; the unsent draft comes back
+        else:
+            self.prompt.clear()
+            self._typed = ""
+            self.save_draft()
         await self.start_answer(user)
         return True
 
@@ -243,6 +249,8 @@ class ChatPane(Vertical):
         if node is None:
             self.app.notify("There is no message of yours to edit.", severity="warning")
             return
+        if self.editing is None:
+            self.save_draft()  # what was typed comes back when the edit is sent or cancelled
         self.editing = node
         self.prompt.text = node.content
         self.prompt.move_cursor(self.prompt.document.end)
@@ -252,8 +260,13 @@ class ChatPane(Vertical):
         if self.editing is None:
             return False
         self.editing = None
-        self.prompt.clear()
+        self._restore_draft()
         return True
+
+    def _restore_draft(self) -> None:
+        self.prompt.text = self.config.draft
+        self._typed = self.config.draft
+        self.prompt.move_cursor(self.prompt.document.end)
 
     async def switch_branch(self, step: int) -> None:
         """Show the previous (-1) or next (+1) branch of the deepest turn that has several."""
@@ -284,10 +297,18 @@ class ChatPane(Vertical):
             self.app.notify("Stop the current answer first (Esc).", severity="warning")
             return
         answer = self.conversation.leaf
-        if answer is None or answer.role != "assistant" or not answer.truncated or not answer.content:
-            self.app.notify("Only an answer that stopped at the token limit can be continued.", severity="warning")
+        unfinished = answer is not None and (answer.truncated or answer.status == "incomplete")
+        if answer is None or answer.role != "assistant" or not unfinished or not answer.content:
+            self.app.notify(
+                "Only an answer that stopped early (at the token limit, or stopped) can be continued.",
+                severity="warning",
+            )
             return
+        # What it was, should the continuation fail before it adds a word (no room left, a server
+        # without continue_final_message, Esc at once): the answer stays as it was, still continuable.
+        self._before_continue = (answer.status, answer.truncated, answer.metrics, len(answer.content))
         answer.status, answer.truncated = "streaming", False
+        self.services.recorder.reopen(answer)
         view = self.view_for(answer)
         if view is not None:
             view.refresh_meta()
@@ -423,33 +444,40 @@ class ChatPane(Vertical):
         _reasoning, shown = view.parts()
         if view.body.source != shown:
             await view.body.update(shown)  # whatever the stream could not deliver
-        answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete", None: "incomplete"}.get(
-            finish, "error"
-        )
-        answer.truncated = finish == "length"
-        if answer.status == "error":
-            answer.error = error or "the answer failed"
-        answer.metrics = Metrics(
-            n_prompt or None,
-            n_out or None,
-            (n_out - 1) / (ended - first) if first is not None and n_out > 1 and ended - first >= RATE_MIN_S else None,
-            (first - started) * 1000 if first is not None else None,
-        )
+        before, self._before_continue = self._before_continue, None
+        if before is not None and len(answer.content) == before[3] and finish != "stop":
+            # A continuation that added nothing and did not end the answer: it stays as it was.
+            answer.status, answer.truncated, answer.metrics, _ = before
+            if finish == "error":
+                self.app.notify(f"Could not continue the answer: {error or 'it failed'}", severity="error")
+        else:
+            answer.status = {"stop": "complete", "length": "complete", "abort": "incomplete", None: "incomplete"}.get(
+                finish, "error"
+            )
+            answer.truncated = finish == "length"
+            if answer.status == "error":
+                answer.error = error or "the answer failed"
+            answer.metrics = Metrics(
+                n_prompt or None,
+                n_out or None,
+                (n_out - 1) / (ended - first)
+                if first is not None and n_out > 1 and ended - first >= RATE_MIN_S
+                else None,
+                (first - started) * 1000 if first is not None else None,
+            )
         self.services.recorder.finish(self.config.db_id, answer)
-        self.rate = answer.metrics.tokens_per_second
+        self.rate = answer.metrics.tokens_per_second if answer.metrics else None
         view.refresh_meta()
         self._answer = None
         self._worker = None
         self.busy = False
         self.update_titles()
         saved = answer.db_id is not None or self.config.db_id is None  # (no history at all: name it anyway)
-        if (
-            answer.status == "complete"
-            and answer.parent is not None
-            and saved
-            and titles.is_placeholder(self.config.title)
-        ):
-            self._name_session(answer.parent.content)
+        question = answer.parent
+        first_exchange = question is not None and question.parent is None  # (not an older session's later turn)
+        if answer.status == "complete" and question is not None and first_exchange and saved:
+            if titles.is_placeholder(self.config.title):
+                self._name_session(question.content)
 
     @work(group="titles", exclusive=True, exit_on_error=False)
     async def _name_session(self, question: str) -> None:
