@@ -730,3 +730,22 @@ def test_an_unwritable_log_directory_does_not_stop_the_tui(
     monkeypatch.setenv("CHATAPP_LOG_DIR", str(blocker / "logs"))
     assert log_to_file(verbose=False) is None
     logging.getLogger("x").warning("goes nowhere, raises nothing")
+
+
+async def test_quitting_while_a_title_is_being_asked_for_is_clean(tmp_path: Path) -> None:
+    class SlowTitles(FakeClient):
+        async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[OutputDelta]:
+            if "-title-" in (kwargs.get("request_id") or ""):
+                await asyncio.Event().wait()  # never answers
+            async for delta in super().generate(*args, **kwargs):
+                yield delta
+
+    client = SlowTitles()
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "q")
+        await wait_for(pilot, lambda: answered(pane), "answer")
+        await wait_for(pilot, lambda: any(w.group == "titles" for w in app.workers), "a title being asked for")
+        await app.action_quit()  # must not raise (WorkerCancelled) nor wait for ever
+    assert pane.config.title == "Chat 1"

@@ -197,9 +197,11 @@ class ChatApp(App[None]):
                 pane.save_draft()  # typed but not sent: back in the prompt next time
                 pane.stop()
             for worker in self.workers:
-                if worker.group == "titles":  # a title can wait for the next run
-                    worker.cancel()
-            await self.workers.wait_for_complete([w for w in self.workers if w.group in ("generate", "titles")])
+                if worker.group == "titles":  # a title can wait for the next run (it writes only after its
+                    worker.cancel()  # last await, so a cancelled one writes nothing; no need to wait)
+            streams = [w for w in self.workers if w.group == "generate"]
+            if streams:  # (Textual waits for every worker, cancelled ones included, when given none)
+                await self.workers.wait_for_complete(streams)
         if self._server is not None:
             try:
                 await self._server.stop()
