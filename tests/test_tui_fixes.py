@@ -24,7 +24,7 @@ from chatapp.tui.engine_link import EngineSnapshot
 from chatapp.tui.widgets import chat_pane
 from chatapp.tui.widgets.status_bar import StatusBar
 from tests.tui_fakes import FakeClient
-from tests.tui_helpers import answered, main_screen, make_app, panes, send, wait_for
+from tests.tui_helpers import answered, ask, main_screen, make_app, panes, send, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,9 +116,7 @@ async def test_no_rate_is_shown_or_stored_for_a_stream_shorter_than_50_ms(tmp_pa
     app = make_app(tmp_path, DyingClient())
     async with app.run_test(size=(120, 40)) as pilot:
         pane = panes(app)[0]
-        await send(pilot, pane, "hello")
-        await wait_for(pilot, lambda: answered(pane), "the answer ended")
-        answer = pane.conversation.path()[-1]
+        answer = await ask(pilot, pane, "hello")
         assert answer.status == "error" and answer.content == "tok1 tok2 tok3 "
         assert answer.metrics is not None and answer.metrics.completion_tokens == 3
         assert answer.metrics.tokens_per_second is None
@@ -260,16 +258,23 @@ def _visible(app: Any, widget: Any) -> bool:
     return shown is widget or widget in shown.ancestors
 
 
+async def _open(pilot: Any, key: str, selector: str) -> Any:
+    """Press ``key`` and wait for the screen holding ``selector``; returns that screen."""
+    app = pilot.app
+    await pilot.press(key)
+    await wait_for(pilot, lambda: bool(app.screen.query(selector)), f"the screen on {key}")
+    await pilot.pause()
+    return app.screen
+
+
 async def test_session_settings_keep_their_buttons_at_80x24(tmp_path: Path) -> None:
     from textual.widgets import Button
 
     app = make_app(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.press("f5")
-        await wait_for(pilot, lambda: bool(app.screen.query("#save")), "session settings")
-        await pilot.pause()
-        assert _visible(app, app.screen.query_one("#save", Button))
-        assert _visible(app, app.screen.query_one("#cancel", Button))
+        screen = await _open(pilot, "f5", "#save")
+        assert _visible(app, screen.query_one("#save", Button))
+        assert _visible(app, screen.query_one("#cancel", Button))
 
 
 async def test_the_help_table_scrolls_to_its_last_key_at_80x24(tmp_path: Path) -> None:
@@ -277,10 +282,7 @@ async def test_the_help_table_scrolls_to_its_last_key_at_80x24(tmp_path: Path) -
 
     app = make_app(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.press("f1")
-        await wait_for(pilot, lambda: bool(app.screen.query("#keys")), "help")
-        table = app.screen.query_one("#keys", DataTable)
-        await pilot.pause()
+        table = (await _open(pilot, "f1", "#keys")).query_one("#keys", DataTable)
         assert table.row_count > table.scrollable_content_region.height  # more keys than rows shown
         assert _visible(app, table)
         table.focus()
@@ -294,11 +296,9 @@ async def test_the_hub_search_stays_on_screen_at_60x20(tmp_path: Path) -> None:
 
     app = make_app(tmp_path)
     async with app.run_test(size=(60, 20)) as pilot:
-        await pilot.press("f4")
-        await wait_for(pilot, lambda: bool(app.screen.query("#hub-search")), "models")
-        await pilot.pause()
-        assert _visible(app, app.screen.query_one("#hub-search", Input))
-        assert _visible(app, app.screen.query_one("#local"))
+        screen = await _open(pilot, "f4", "#hub-search")
+        assert _visible(app, screen.query_one("#hub-search", Input))
+        assert _visible(app, screen.query_one("#local"))
 
 
 async def test_a_narrow_pane_keeps_the_answers_branch_and_status(tmp_path: Path) -> None:
@@ -331,9 +331,7 @@ async def test_an_answer_cut_at_the_token_limit_is_marked_and_continues_in_place
     app = make_app(tmp_path, client)
     async with app.run_test(size=(120, 40)) as pilot:
         pane = panes(app)[0]
-        await send(pilot, pane, "count")
-        await wait_for(pilot, lambda: answered(pane), "the first part")
-        answer = pane.conversation.path()[-1]
+        answer = await ask(pilot, pane, "count")
         assert answer.truncated and answer.status == "complete"
         header = pane.view_for(answer).query_one(".message-header")
         assert "stopped at the token limit" in str(header.render())
@@ -608,9 +606,7 @@ async def test_a_slow_continuation_saves_its_text_as_it_goes(tmp_path: Path, mon
     app = make_app(tmp_path, client)
     async with app.run_test(size=(120, 40)) as pilot:
         pane = panes(app)[0]
-        await send(pilot, pane, "count")
-        await wait_for(pilot, lambda: answered(pane), "the first part")
-        answer = pane.conversation.path()[-1]
+        answer = await ask(pilot, pane, "count")
         hold = asyncio.Event()
         client.reply, client.finish_reason, client.hold, client.hold_after = "four five six", "stop", hold, 2
         await pilot.press("alt+n")
@@ -644,9 +640,7 @@ async def test_a_continuation_that_fails_at_once_leaves_the_answer_as_it_was(tmp
     app = make_app(tmp_path, client)
     async with app.run_test(size=(120, 40)) as pilot:
         pane = panes(app)[0]
-        await send(pilot, pane, "q")
-        await wait_for(pilot, lambda: answered(pane), "answer")
-        answer = pane.conversation.path()[-1]
+        answer = await ask(pilot, pane, "q")
         metrics = answer.metrics
         await pilot.press("alt+n")
         await wait_for(pilot, lambda: not pane.busy and answer.status != "streaming", "the attempt ended")

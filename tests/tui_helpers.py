@@ -11,6 +11,7 @@ from textual.pilot import Pilot
 
 from chatapp.history import HistoryStore, Metrics
 from chatapp.tui.app import ChatApp
+from chatapp.tui.conversation import Node
 from chatapp.tui.screens.main import MainScreen
 from chatapp.tui.widgets.chat_pane import ChatPane
 from tests.tui_fakes import FakeCatalog, FakeClient, factory
@@ -52,6 +53,13 @@ async def send(pilot: Pilot, pane: ChatPane, text: str) -> None:
     await pilot.pause()
     pane.prompt.text = text
     await pilot.press("enter")
+
+
+async def ask(pilot: Pilot, pane: ChatPane, text: str) -> Node:
+    """Send ``text`` and wait for its answer to end; returns the answer."""
+    await send(pilot, pane, text)
+    await wait_for(pilot, lambda: answered(pane), f"the answer to {text!r}")
+    return pane.conversation.path()[-1]
 
 
 def answered(pane: ChatPane, n: int = 1) -> bool:

@@ -238,13 +238,11 @@ class ChatApp(App[None]):
         self.call_later(self._poll_engine)
 
     def local_model_name(self) -> str | None:
-        client = self.engine.raw_client
-        info = loaded_model_info(client) if client is not None else None
+        info = loaded_model_info(self.engine.raw_client)
         return info.name if info is not None else None
 
     def local_context_length(self) -> int | None:
-        client = self.engine.raw_client
-        info = loaded_model_info(client) if client is not None else None
+        info = loaded_model_info(self.engine.raw_client)
         return info.max_model_len if info is not None else None
 
     def create_session_config(self) -> SessionConfig:

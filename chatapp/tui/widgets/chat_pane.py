@@ -112,8 +112,7 @@ class ChatPane(Vertical):
         return self.query_one(PromptInput)
 
     async def on_mount(self) -> None:
-        self.update_titles()
-        await self.show_path()
+        await self.show_path()  # (which sets the titles too)
         self.log_view.anchor()
         if self.config.draft:
             self.prompt.text = self.config.draft
