@@ -96,7 +96,7 @@ async def test_two_panes_stream_at_the_same_time(tmp_path: Path) -> None:
         )
         await wait_for(
             pilot,
-            lambda: "one two" in first.view_for(first.conversation.path()[-1]).body.source,
+            lambda: "one two" in first.view_for(first.conversation.path()[-1]).shown_text,
             "partial text on screen",
         )
         hold.set()

@@ -21,6 +21,7 @@ from textual.app import App, SystemCommand
 from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
+from textual.worker import WorkerCancelled, WorkerFailed
 
 from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, loaded_model_info
 from chatapp.history import HistoryError, HistoryOpenError, HistoryStore, Session
@@ -201,7 +202,12 @@ class ChatApp(App[None]):
                     worker.cancel()  # last await, so a cancelled one writes nothing; no need to wait)
             streams = [w for w in self.workers if w.group == "generate"]
             if streams:  # (Textual waits for every worker, cancelled ones included, when given none)
-                await self.workers.wait_for_complete(streams)
+                try:
+                    await self.workers.wait_for_complete(streams)
+                except (WorkerCancelled, WorkerFailed):
+                    # A stream cancelled before it could end itself: what it saved so far stays, and the
+                    # next start marks it incomplete, as after a crash. Quitting goes on regardless.
+                    log.warning("a stream did not end cleanly at quit", exc_info=True)
         if self._server is not None:
             try:
                 await self._server.stop()

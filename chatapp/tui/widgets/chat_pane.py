@@ -1,17 +1,14 @@
 """One chat session: its messages, its prompt box, and the worker streaming its answer.
 
 Why it streams this way: the engine call runs in a Textual worker, which only
-appends each delta's text to a list; the first text after a flush arms a
-one-shot timer that hands what has gathered to the Markdown widget's stream in
-one piece, and the partial answer is saved to the history at most every
-``SAVE_S``. The UI therefore does a bounded amount of work per frame, however
-many panes stream and however fast, and none while nothing arrives.
-
-The timers fire on a clock shared by every pane (multiples of ``FLUSH_S``), so
-panes streaming at once grow in the same frame and the screen is laid out once
-for all of them: each layout of a long conversation costs tens of
-milliseconds, and it, not the text, is most of the TUI's CPU. A pane without
-focus flushes at most every ``UNFOCUSED_FLUSH_S``.
+appends each delta's text to a list; the app's one stream clock
+(``stream_clock``) tells every streaming pane to flush on the same tick, and a
+flush hands what has gathered to the answer's view in one piece without
+awaiting, so all panes change in one frame and the screen is laid out once for
+all of them (each layout costs tens of milliseconds: it, not the text, is most
+of the TUI's CPU). The partial answer is saved to the history at most every
+``SAVE_S``. The UI therefore does a bounded amount of work per tick, however
+many panes stream and however fast, and none while nothing streams.
 """
 
 from __future__ import annotations
@@ -23,12 +20,12 @@ from typing import TYPE_CHECKING
 
 from textual import work
 from textual.app import ComposeResult
+from textual.await_complete import AwaitComplete
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
 from textual.timer import Timer
-from textual.widgets import Markdown, Static, TextArea
-from textual.widgets.markdown import MarkdownStream
+from textual.widgets import Static, TextArea
 from textual.worker import Worker
 
 from chatapp.engine.api import EngineDeadError, EngineError, InvalidRequestError
@@ -37,16 +34,13 @@ from chatapp.history import Metrics
 from chatapp.tui import titles
 from chatapp.tui.conversation import Conversation, Node
 from chatapp.tui.session_config import SessionConfig, SessionConfigError
+from chatapp.tui.stream_clock import clock_for
 from chatapp.tui.widgets.message_view import MessageView
 from chatapp.tui.widgets.prompt_input import PromptInput
 
 if TYPE_CHECKING:
     from chatapp.tui.services import ChatServices
 
-FLUSH_S = 0.2
-"""How often the focused pane's streamed text is handed to its Markdown widget."""
-UNFOCUSED_FLUSH_S = 0.4
-"""The same for the other panes (read at a glance, not line by line)."""
 _RUN = uuid.uuid4().hex[:8]
 """Makes request ids unique among the TUIs (processes) that share one engine."""
 SAVE_S = 0.5
@@ -82,12 +76,12 @@ class ChatPane(Vertical):
         self.services = services
         self.config = config
         self.conversation = conversation
-        self._pending: list[str] = []
+        self._pending: list[str] = []  # answer text not yet on screen
+        self._pending_thought: list[str] = []  # think-block text not yet on screen
         self._worker: Worker[None] | None = None
         self._answer: Node | None = None
-        # The stream in progress (one per pane at a time):
-        self._stream: MarkdownStream | None = None
-        self._flush_timer: Timer | None = None
+        # The stream in progress (one per pane at a time): the view it writes to
+        self._stream: MessageView | None = None
         self._save_timer: Timer | None = None
         self._last_save = 0.0
         self._first_token: float | None = None
@@ -327,9 +321,12 @@ class ChatPane(Vertical):
         """Stream an answer into ``answer``; ``continuing``: its text so far is kept and extended."""
         view = self.view_for(answer)
         assert view is not None
-        self._stream = Markdown.get_stream(view.body)
+        await view.begin_stream()
+        self._stream = view
+        clock = clock_for(self.app)
+        clock.join(self)
         self._answer = answer
-        self._pending = []
+        self._pending, self._pending_thought = [], []
         self._last_save = started = time.monotonic()
         self._first_token = None
         n_prompt = n_out = 0
@@ -356,20 +353,10 @@ class ChatPane(Vertical):
                         if self._first_token is None:
                             self._first_token = time.monotonic()
                         answer.content += delta.text
-                        thought, text = thinking.feed(delta.text)
-                        if thought:
-                            await view.add_thinking(thought)
-                        if text:
-                            self._pending.append(text)
-                        if self._flush_timer is None:
-                            self._flush_timer = self.set_timer(self._next_flush_delay(), self._flush)
+                        self._gather(*thinking.feed(delta.text))
                     if delta.finished:
                         finish, error = delta.finish_reason, delta.error
-                        thought, text = thinking.finish()
-                        if thought:
-                            await view.add_thinking(thought)
-                        if text:
-                            self._pending.append(text)
+                        self._gather(*thinking.finish())
             finally:
                 aclose = getattr(gen, "aclose", None)
                 if aclose is not None:
@@ -383,20 +370,29 @@ class ChatPane(Vertical):
         except (EngineError, InvalidRequestError, SessionConfigError) as exc:
             finish, error = "error", str(exc)
         finally:
+            clock.leave(self)
             await self._end_stream(answer, view, finish, error, started, n_prompt, n_out)
 
-    def _next_flush_delay(self) -> float:
-        """Seconds to the next tick of the shared flush clock (see the module's docstring)."""
-        period = FLUSH_S if self.has_focus_within else UNFOCUSED_FLUSH_S
-        return period - time.monotonic() % period or period
+    def _gather(self, thought: str, text: str) -> None:
+        """Keep a delta's reasoning and answer text for the next tick."""
+        if thought:
+            self._pending_thought.append(thought)
+        if text:
+            self._pending.append(text)
 
-    async def _flush(self) -> None:
-        """Hand the text gathered since the last flush to the Markdown stream, in one piece."""
-        self._flush_timer = None
-        if self._pending and self._stream is not None:
-            text = "".join(self._pending)
+    def flush(self) -> AwaitComplete | None:
+        """Hand the text gathered since the last tick to the answer's view, in one piece (the stream
+        clock calls this for every pane in one frame); returns the Markdown append it started."""
+        view = self._stream
+        if view is None or not (self._pending or self._pending_thought):
+            return None
+        appending = None
+        if self._pending_thought:
+            view.add_thinking("".join(self._pending_thought))
+            self._pending_thought.clear()
+        if self._pending:
+            appending = view.stream("".join(self._pending))
             self._pending.clear()
-            await self._stream.write(text)
         now = time.monotonic()
         if self._first_token is not None and now - self._first_token >= RATE_MIN_S:
             self.rate = self._n_out / (now - self._first_token)
@@ -406,6 +402,7 @@ class ChatPane(Vertical):
                 self._save_timer = self.set_timer(delay, self._save_partial)
             else:  # due already: a 0-second Textual timer divides by its interval when it runs late
                 self._save_partial()
+        return appending
 
     def _save_partial(self) -> None:
         """Save the streaming answer's text so far (at most every SAVE_S, and only after new text)."""
@@ -427,22 +424,16 @@ class ChatPane(Vertical):
         """Deliver the last text, record the outcome and metrics, and save the answer for good."""
         ended = time.monotonic()
         first = self._first_token
-        for timer in (self._flush_timer, self._save_timer):
-            if timer is not None:
-                timer.stop()
-        self._flush_timer = self._save_timer = None
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            if self._pending:
-                await stream.write("".join(self._pending))
-                self._pending.clear()
-            try:
-                await stream.stop()
-            except asyncio.CancelledError:
-                pass  # its task was cancelled before it first ran (the stream ended at once)
+        if self._save_timer is not None:
+            self._save_timer.stop()
+            self._save_timer = None
+        self._stream = None
+        self._pending.clear()
+        if self._pending_thought:
+            view.add_thinking("".join(self._pending_thought))
+            self._pending_thought.clear()
         _reasoning, shown = view.parts()
-        if view.body.source != shown:
-            await view.body.update(shown)  # whatever the stream could not deliver
+        await view.end_stream(shown)  # the whole answer as Markdown, whatever the ticks delivered
         before, self._before_continue = self._before_continue, None
         if before is not None and len(answer.content) == before[3] and finish != "stop":
             # A continuation that added nothing and did not end the answer: it stays as it was.

@@ -1,15 +1,22 @@
 """One message of a pane: who wrote it, which branch it is, the Markdown text (a reasoning model's
-think block folded above it), and an answer's numbers."""
+think block folded above it), and an answer's numbers.
+
+While an answer streams, its finished blocks go to the Markdown widget once each and the block still
+being written is shown as plain text below it (see ``markdown_tail``): a tick then redraws one
+small widget, not the Markdown, and the last block takes its formatting as soon as it ends.
+"""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.await_complete import AwaitComplete
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Markdown, Static
 
 from chatapp.engine.reasoning import split_reasoning
 from chatapp.tui.conversation import Branch, Node
+from chatapp.tui.markdown_tail import settled_length
 
 _STATUS_LABELS = {"streaming": "writing…", "incomplete": "incomplete", "error": "error"}
 
@@ -22,6 +29,9 @@ class MessageView(Vertical):
         self.node = node
         self.branch = branch
         self._thought = ""  # the think block streamed so far
+        self._thought_view: Static | None = None  # its text widget, once folded in
+        self._streamed: str | None = None  # the answer's text so far while it streams (else None)
+        self._appending: AwaitComplete | None = None  # the Markdown's append in progress
 
     def compose(self) -> ComposeResult:
         yield Static(self._header(), classes="message-header")
@@ -42,19 +52,70 @@ class MessageView(Vertical):
     def body(self) -> Markdown:
         return self.query_one(".message-body", Markdown)
 
+    @property
+    def shown_text(self) -> str:
+        """The answer's text on screen: the Markdown's, and while streaming the block being written."""
+        if self._streamed is not None:
+            return self._streamed
+        return self.body.source
+
+    async def begin_stream(self) -> None:
+        """Streamed text comes next (after what the body shows: a continuation extends it)."""
+        self._streamed = self.body.source
+        tail = Static("", classes="message-tail", markup=False)
+        tail.display = False
+        await self.mount(tail, after=self.body)
+
+    def stream(self, text: str) -> AwaitComplete | None:
+        """Show ``text`` more of the answer, without awaiting (the stream clock calls this for every
+        pane in one tick). Finished blocks are appended to the Markdown, one append at a time: the
+        append started, if any, is returned (the clock waits for it before the screen is drawn)."""
+        if self._streamed is None:
+            raise RuntimeError("stream() before begin_stream()")
+        self._streamed += text
+        done = len(self.body.source)
+        started: AwaitComplete | None = None
+        if self._appending is None or self._appending.is_done:
+            self._appending = None
+            settled = settled_length(self._streamed)
+            if settled > done:
+                self._appending = started = self.body.append(self._streamed[done:settled])
+                done = settled
+        tail = self._streamed[done:]
+        tails = self.query(".message-tail")
+        if tails:
+            widget = tails.first(Static)
+            widget.display = bool(tail)
+            widget.update(tail)
+        return started
+
+    async def end_stream(self, shown: str) -> None:
+        """The answer ended as ``shown``: the Markdown takes all of it and the plain tail goes."""
+        if self._appending is not None:
+            await self._appending
+            self._appending = None
+        self._streamed = None
+        await self.query(".message-tail").remove()
+        source = self.body.source
+        if shown.startswith(source) and shown != source:
+            await self.body.append(shown[len(source) :])
+        if self.body.source != shown:  # (an answer that changed under the stream: shown as it is)
+            await self.body.update(shown)
+
     def _thinking(self, text: str) -> Collapsible:
         """The think block, folded under a title (Enter or a click opens it)."""
-        text_view = Static(text, classes="thinking-text", markup=False)  # model text: no console markup
-        return Collapsible(text_view, title="Thinking", classes="message-thinking")
+        self._thought = text
+        self._thought_view = Static(text, classes="thinking-text", markup=False)  # model text: no markup
+        return Collapsible(self._thought_view, title="Thinking", classes="message-thinking")
 
-    async def add_thinking(self, text: str) -> None:
-        """Append streamed reasoning, folding it in above the answer the first time."""
-        self._thought += text
-        found = self.query(".message-thinking")
-        if not found:
-            await self.mount(self._thinking(self._thought), before=self.body)
-            return
-        found.first(Collapsible).query_one(".thinking-text", Static).update(self._thought)
+    def add_thinking(self, text: str) -> None:
+        """Append streamed reasoning, folding it in above the answer the first time (without awaiting:
+        the stream clock calls this with the answer's text, for every pane in one tick)."""
+        if self._thought_view is None:
+            self.mount(self._thinking(text), before=self.body)
+        else:
+            self._thought += text
+            self._thought_view.update(self._thought)
 
     def _header(self) -> Text:
         node = self.node

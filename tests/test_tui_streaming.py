@@ -1,0 +1,135 @@
+"""How answers reach the screen while they stream (issue 18's CPU item): finished Markdown blocks go to
+the Markdown widget once each and only the block being written is redrawn, every streaming pane is
+flushed by one clock in one frame, and quitting mid-start is clean."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from textual.widgets import Static
+
+from chatapp.history import HistoryStore
+from chatapp.tui.markdown_tail import settled_length
+from chatapp.tui.stream_clock import UNFOCUSED_EVERY, StreamClock, clock_for
+from tests.tui_fakes import FakeClient
+from tests.tui_helpers import answered, make_app, panes, send, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    ("text", "settled"),
+    [
+        ("A sentence being writ", ""),
+        ("A whole line\n", ""),  # a paragraph goes on until a blank line
+        ("One.\n\nTwo is", "One.\n\n"),
+        ("- a\n- b\n\nAfter", "- a\n- b\n\n"),
+        ("Code:\n\n```py\nx = 1\n\ny = 2\n", "Code:\n\n"),  # a blank line inside a fence ends nothing
+        ("```py\nx = 1\n```\nThen", "```py\nx = 1\n```\n"),  # the closing fence ends its block
+        ("````\n```\nstill code\n", ""),  # a shorter fence does not close a longer one
+        ("~~~\n```\n~~~\n", "~~~\n```\n~~~\n"),
+        ("```\nx\n``` not a close\n\n", ""),
+    ],
+)
+def test_the_settled_part_of_a_streaming_answer_ends_at_a_finished_block(text: str, settled: str) -> None:
+    assert text[: settled_length(text)] == settled
+
+
+REPLY = "Intro line.\n\n- first\n- second\n\n```python\nx = 1\ny = 2\n```\n\nDone **now**."
+HELD_AT = REPLY.index("y = 2")  # mid-way through the code block
+
+
+async def test_finished_blocks_go_to_the_markdown_and_only_the_block_being_written_is_plain_text(
+    tmp_path: Path,
+) -> None:
+    hold = asyncio.Event()
+    app = make_app(tmp_path, FakeClient(reply=REPLY, chunk=1, hold=hold, hold_after=HELD_AT))
+    async with app.run_test(size=(100, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "show me")
+        await wait_for(pilot, lambda: pane._answer is not None and pane._answer.content == REPLY[:HELD_AT], "held")
+        answer = pane.conversation.leaf
+        assert answer is not None
+        view = pane.view_for(answer)
+        assert view is not None
+        await wait_for(pilot, lambda: view.shown_text == REPLY[:HELD_AT], "the held text on screen")
+        assert view.body.source == "Intro line.\n\n- first\n- second\n\n"
+        tail = view.query_one(".message-tail", Static)
+        assert tail.display and str(tail.render()) == "```python\nx = 1\n"
+
+        hold.set()
+        await wait_for(pilot, lambda: answered(pane), "the answer finished")
+        assert not view.query(".message-tail")
+        assert view.body.source == REPLY
+        streamed = [type(block).__name__ for block in view.body.children]
+        # The same answer drawn at once (as when the session is opened again) has the same blocks.
+        await pane.show_path()
+        fresh = pane.view_for(answer)
+        assert fresh is not None and fresh is not view
+        await pilot.pause()
+        assert [type(block).__name__ for block in fresh.body.children] == streamed
+        assert streamed == ["MarkdownParagraph", "MarkdownBulletList", "MarkdownFence", "MarkdownParagraph"]
+
+
+class FlushCounter:
+    def __init__(self, focused: bool) -> None:
+        self.has_focus_within = focused
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+async def test_one_clock_flushes_the_focused_pane_every_tick_and_the_others_less_often(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(100, 30)):
+        clock = StreamClock(app)
+        focused, other = FlushCounter(True), FlushCounter(False)
+        assert not clock.running
+        clock.join(focused)
+        clock.join(other)
+        assert clock.running
+        for _ in range(4 * UNFOCUSED_EVERY):
+            await clock._tick()
+        assert (focused.flushes, other.flushes) == (4 * UNFOCUSED_EVERY, 4)
+        clock.leave(focused)
+        assert clock.running  # another pane still streams
+        clock.leave(other)
+        assert not clock.running
+        assert clock_for(app) is clock_for(app)
+
+
+async def test_three_panes_stream_through_the_one_clock_and_it_stops_when_they_end(tmp_path: Path) -> None:
+    hold = asyncio.Event()
+    app = make_app(tmp_path, FakeClient(reply="one two three four five six", chunk=4, hold=hold, hold_after=2))
+    async with app.run_test(size=(150, 40)) as pilot:
+        await pilot.press("ctrl+t", "ctrl+t")
+        await wait_for(pilot, lambda: len(panes(app)) == 3, "three panes")
+        for pane in panes(app):
+            await send(pilot, pane, "count")
+        clock = clock_for(app)
+        await wait_for(pilot, lambda: all(p.busy for p in panes(app)), "all three streaming")
+        assert clock.running
+        await wait_for(
+            pilot,
+            lambda: all(p.view_for(p.conversation.leaf).shown_text == "one two " for p in panes(app)),  # type: ignore[union-attr]
+            "every pane's partial text on screen",
+        )
+        hold.set()
+        await wait_for(pilot, lambda: all(answered(p) for p in panes(app)), "all answered")
+        assert not clock.running
+
+
+async def test_quitting_before_a_just_started_answer_runs_is_clean_and_keeps_the_question(tmp_path: Path) -> None:
+    """The answer's worker is cancelled before it first runs: Textual's wait then raised
+    WorkerCancelled out of quit (a traceback on the user's screen)."""
+    app = make_app(tmp_path, FakeClient(reply="never shown"))
+    async with app.run_test(size=(100, 30)):
+        pane = panes(app)[0]
+        assert await pane.send("are you there?")
+        await app.action_quit()
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        sessions = store.list_sessions()
+        assert [m.content for m in store.path(sessions[0].id)][:1] == ["are you there?"]
