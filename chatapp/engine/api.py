@@ -109,6 +109,21 @@ class ModelInfo:
     load_seconds: float
 
 
+@dataclass(frozen=True)
+class ModelStatus:
+    """One model the engine holds or is loading (the models call, /v1/models, the TUI's models screen)."""
+
+    spec: str  # the normalised spec requests name it by
+    state: str  # queued, loading, ready or failed
+    detail: str
+    default: bool  # the engine's default model (requests that name no model run on it)
+    pinned: bool  # never unloaded for idling
+    footprint_bytes: int  # weights, whole KV pool and working memory, once loaded
+    idle_seconds: float
+    num_requests: int
+    info: ModelInfo | None = None
+
+
 def loaded_model_info(client: object) -> ModelInfo | None:
     """The model ``client`` serves, or None while it has none (starting, loading): for status lines,
     which ask at any time, where the EngineClient protocol's ``model_info`` is for a ready client."""

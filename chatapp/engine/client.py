@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -66,9 +67,11 @@ from chatapp.engine.api import (
     ErrorKind,
     InvalidRequestError,
     ModelInfo,
+    ModelStatus,
     context_length_error,
 )
 from chatapp.engine.config import EngineConfig
+from chatapp.engine.model_view import ModelView
 from chatapp.engine.output_processor import OutputDelta, OutputProcessor
 from chatapp.engine.outputs import FinishReason
 from chatapp.engine.sampling_params import SamplingParams
@@ -94,10 +97,24 @@ class EngineModelMismatchError(EngineError):
 
 
 @dataclass
+class _ModelHandle:
+    """What this client needs to run requests on one model: its facts, tokenizer and detokenizer."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+    processor: OutputProcessor
+
+
+@dataclass
 class _Stream:
     """One generate() call's inbox: deltas, or the exception that ends it."""
 
+    processor: OutputProcessor
     queue: asyncio.Queue[OutputDelta | BaseException] = field(default_factory=asyncio.Queue)
+
+
+ModelListener = Callable[[str, str, str], None]
+"""Called with (model spec, state, detail) when a model beside the default one changes state."""
 
 
 class AsyncEngineClient:
@@ -135,6 +152,10 @@ class AsyncEngineClient:
         self._changed = asyncio.Event()
         self._death: EngineError | InvalidRequestError | None = None  # what streams and calls raise now
         self._processor: OutputProcessor | None = None
+        self._handles: dict[str, _ModelHandle] = {}  # models beside the default one, by normalised spec
+        self._model_listeners: list[ModelListener] = []
+        self.model_states: dict[str, tuple[str, str]] = {}
+        """(state, detail) of each model beside the default one, as the engine last broadcast it."""
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._next_call = 0
@@ -299,23 +320,28 @@ class AsyncEngineClient:
         *,
         messages: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        model: str | None = None,
     ) -> AsyncIterator[OutputDelta]:
-        """Stream one request's deltas (see api.EngineClient.generate); closing early aborts it."""
+        """Stream one request's deltas (see api.EngineClient.generate); closing early aborts it.
+
+        ``model`` names a model beside the engine's default one (a store name, directory or GGUF
+        file); it is loaded on demand first (load_model), so the first delta may be a while coming."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", "params")
         self._require_ready()
-        text, token_ids = self._tokenize(prompt, messages, params, continue_final_message)
+        spec = None if model is None else ipc.normalize_model_spec(model)
+        handle = await self._handle(spec)
+        text, token_ids = self._tokenize(prompt, messages, params, continue_final_message, handle)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        processor = self._processor
-        assert processor is not None
-        stream = _Stream()
+        processor = handle.processor
+        stream = _Stream(processor)
         self._streams[request_id] = stream
         processor.add_request(request_id, text, token_ids, params)
         try:
-            self._send(ipc.AddRequest(request_id, token_ids, ipc.params_to_wire(params)))
+            self._send(ipc.AddRequest(request_id, token_ids, ipc.params_to_wire(params), spec))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -340,14 +366,78 @@ class AsyncEngineClient:
         """The engine's counters (EngineStats), num_clients and engine_pid included."""
         return msgspec.convert(await self._call(lambda cid: ipc.StatsCall(cid)), EngineStats)
 
-    async def embed(self, inputs: list[str | list[int]]) -> list[list[float]]:
+    async def embed(self, inputs: list[str | list[int]], model: str | None = None) -> list[list[float]]:
         """Mean-pooled, L2-normalised final hidden states of each input (tokenized here)."""
         self._require_ready()
         if not isinstance(inputs, list) or not inputs:
             raise InvalidRequestError("input must be a non-empty list of strings or token-id lists", "input")
-        prompts = [self._embedding_ids(item, i) for i, item in enumerate(inputs)]
-        vectors: list[list[float]] = await self._call(lambda cid: ipc.EmbedCall(cid, prompts), invalid_param="input")
+        spec = None if model is None else ipc.normalize_model_spec(model)
+        handle = await self._handle(spec)
+        prompts = [self._embedding_ids(item, i, handle) for i, item in enumerate(inputs)]
+        if spec is not None:  # it may have been unloaded since: load it again (at once if it is loaded)
+            await self.load_model(spec)
+        vectors: list[list[float]] = await self._call(
+            lambda cid: ipc.EmbedCall(cid, prompts, spec), invalid_param="input"
+        )
         return vectors
+
+    async def load_model(self, model: str) -> ModelInfo:
+        """Have the engine hold ``model`` beside its default one (loaded on demand, within its memory
+        budget); returns once it is ready and its tokenizer is loaded here. InvalidRequestError for a
+        model that does not exist, cannot load or cannot fit the budget."""
+        self._require_ready()
+        spec = ipc.normalize_model_spec(model)
+        result = await self._call(lambda cid: ipc.LoadModelCall(cid, spec), invalid_param="model")
+        info = msgspec.convert(result, ModelInfo) if not isinstance(result, ModelInfo) else result
+        known = self._handles.get(spec)
+        if known is None or known.info.path != info.path:
+            tokenizer = self._tokenizer
+            if tokenizer is None or self._model_info is None or self._model_info.path != info.path:
+                try:
+                    tokenizer = await asyncio.to_thread(Tokenizer, info.path)
+                except Exception as exc:
+                    raise InvalidRequestError(f"could not load the tokenizer of {info.name}: {exc}", "model") from exc
+            self._handles[spec] = _ModelHandle(info, tokenizer, OutputProcessor(tokenizer))
+        else:
+            self._handles[spec] = dataclasses.replace(known, info=info)
+        return info
+
+    async def models(self) -> list[ModelStatus]:
+        """Every model the engine holds or is loading, the default one first."""
+        result = await self._call(lambda cid: ipc.ModelsCall(cid))
+        statuses = [msgspec.convert(r, ModelStatus) if not isinstance(r, ModelStatus) else r for r in result]
+        return sorted(statuses, key=lambda m: not m.default)
+
+    def add_model_listener(self, listener: ModelListener) -> Callable[[], None]:
+        """Call ``listener(spec, state, detail)`` when a model beside the default one changes state."""
+        self._model_listeners.append(listener)
+        return lambda: self._model_listeners.remove(listener) if listener in self._model_listeners else None
+
+    def bind(self, model: str | None) -> ModelView:
+        """This client seen as serving ``model`` only (None: the default model): an EngineClient for the
+        server's routes and a TUI pane. ``await view.ready()`` loads the model."""
+        return ModelView(self, model)
+
+    def model_handle_info(self, model: str) -> ModelInfo | None:
+        """The facts of a model beside the default one, once load_model has run for it here."""
+        handle = self._handles.get(ipc.normalize_model_spec(model))
+        return handle.info if handle is not None else None
+
+    def model_tokenizer(self, model: str) -> Tokenizer | None:
+        handle = self._handles.get(ipc.normalize_model_spec(model))
+        return handle.tokenizer if handle is not None else None
+
+    async def _handle(self, spec: str | None) -> _ModelHandle:
+        """The default model's handle, or the named model's (loaded on demand)."""
+        if spec is None:
+            assert self._tokenizer is not None and self._model_info is not None and self._processor is not None
+            return _ModelHandle(self._model_info, self._tokenizer, self._processor)
+        handle = self._handles.get(spec)
+        state = self.model_states.get(spec, ("ready", ""))[0]
+        if handle is None or state in ("unloaded", "failed"):
+            await self.load_model(spec)
+            handle = self._handles[spec]
+        return handle
 
     async def switch_model(self, model: str | None) -> ModelInfo:
         """Have the engine load another model (for every attached client); running requests end with "error"."""
@@ -386,52 +476,51 @@ class AsyncEngineClient:
         prompt: str | list[int] | None,
         messages: list[dict[str, Any]] | None,
         params: SamplingParams,
-        continue_final_message: bool = False,
+        continue_final_message: bool,
+        handle: _ModelHandle,
     ) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids), or InvalidRequestError naming the bad field."""
-        assert self._tokenizer is not None and self._model_info is not None
+        tokenizer = handle.tokenizer
         if (prompt is None) == (messages is None):
             raise InvalidRequestError("give exactly one of prompt and messages", "prompt")
         text: str | None = None
         if messages is not None:
             param = "messages"
             try:
-                token_ids = self._tokenizer.render_chat(messages, continue_final_message=continue_final_message)
+                token_ids = tokenizer.render_chat(messages, continue_final_message=continue_final_message)
             except ChatFormatError as exc:
                 raise InvalidRequestError(str(exc), "messages") from exc
         else:
             param = "prompt"
             if isinstance(prompt, str):
                 text = prompt
-                token_ids = self._tokenizer.encode(prompt) if prompt else []
+                token_ids = tokenizer.encode(prompt) if prompt else []
             else:
-                token_ids = self._check_token_ids(prompt, "prompt")
+                token_ids = self._check_token_ids(prompt, "prompt", handle.info)
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param)
-        max_len = self._model_info.max_model_len
+        max_len = handle.info.max_model_len
         if len(token_ids) >= max_len:
             raise InvalidRequestError(context_length_error(max_len, len(token_ids), params.max_tokens), param)
         return text, token_ids
 
-    def _check_token_ids(self, ids: object, param: str) -> list[int]:
-        assert self._model_info is not None
-        vocab = self._model_info.vocab_size
+    def _check_token_ids(self, ids: object, param: str, info: ModelInfo) -> list[int]:
+        vocab = info.vocab_size
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequestError(f"{param} must be a string or a list of token ids", param)
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"{param} token ids must be in [0, {vocab})", param)
         return list(ids)
 
-    def _embedding_ids(self, item: str | list[int], index: int) -> list[int]:
-        assert self._tokenizer is not None and self._model_info is not None
+    def _embedding_ids(self, item: str | list[int], index: int, handle: _ModelHandle) -> list[int]:
         if isinstance(item, str):
-            ids = self._tokenizer.encode(item) if item else []
+            ids = handle.tokenizer.encode(item) if item else []
         else:
-            ids = self._check_token_ids(item, "input")
+            ids = self._check_token_ids(item, "input", handle.info)
         if not ids:
             raise InvalidRequestError(f"input[{index}] is empty", "input")
-        if len(ids) >= self._model_info.max_model_len:
-            raise InvalidRequestError(context_length_error(self._model_info.max_model_len, len(ids), 0), "input")
+        if len(ids) >= handle.info.max_model_len:
+            raise InvalidRequestError(context_length_error(handle.info.max_model_len, len(ids), 0), "input")
         return ids
 
     # -- calls ---------------------------------------------------------------------------
@@ -621,6 +710,8 @@ class AsyncEngineClient:
                     future = self._calls.get(msg.call_id)
                     if future is not None and not future.done():
                         future.set_result(msg)
+                case ipc.ModelState():
+                    self._on_model_state(msg)
                 case ipc.StateUpdate(state="failed"):
                     self._die_failed(msg.detail, msg.error_kind)
                     return
@@ -645,12 +736,24 @@ class AsyncEngineClient:
         error = InvalidRequestError(detail, "model") if error_kind == ErrorKind.INVALID else EngineDeadError(detail)
         self._die(error)
 
+    def _on_model_state(self, msg: ipc.ModelState) -> None:
+        self.model_states[msg.model] = (msg.state, msg.detail)
+        handle = self._handles.get(msg.model)
+        if msg.info is not None and handle is not None:
+            self._handles[msg.model] = dataclasses.replace(handle, info=msg.info)
+        for listener in list(self._model_listeners):
+            try:
+                listener(msg.model, msg.state, msg.detail)
+            except Exception:
+                log.exception("a model listener failed")
+
     def _on_outputs(self, msg: ipc.Outputs) -> None:
-        processor = self._processor
-        if processor is None:
-            return
         to_abort: list[str] = []
         for out in msg.outputs:
+            known = self._streams.get(out.request_id)
+            if known is None:
+                continue  # a stream this client already closed
+            processor = known.processor
             try:
                 deltas, stop_ids = processor.process([out])
             except Exception as exc:  # one request's detokenizing bug must not stall the others
@@ -721,11 +824,9 @@ class AsyncEngineClient:
         self._set_state(EngineState.DEAD, str(error))
 
     def _fail_pending(self, error: Exception) -> None:
-        for stream in self._streams.values():
+        for request_id, stream in self._streams.items():
             stream.queue.put_nowait(error)
-        if self._processor is not None:
-            for request_id in list(self._streams):
-                self._processor.drop(request_id)
+            stream.processor.drop(request_id)
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)

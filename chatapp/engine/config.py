@@ -81,6 +81,17 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads on the CPU; None: the physical core count."""
     seed: int = 0
+    memory_gib: float | None = None
+    """The engine process's memory budget for all its models (weights, KV pools, working memory):
+    a model that needs room unloads the least recently used idle ones first (model_pool.py). None:
+    the memory the machine has available."""
+    max_loaded_models: int = 3
+    """At most this many models loaded at once (Ollama's CPU default)."""
+    keep_alive_s: float | None = 300.0
+    """A model loaded on demand is unloaded after this many idle seconds (Ollama's keep_alive);
+    None keeps it. The default model and preloaded ones stay."""
+    preload: tuple[str, ...] = ()
+    """More models to load at start, beside ``model`` (`chatapp serve --model A --model B`)."""
 
     @classmethod
     def from_overrides(cls, model: str | None = None, **overrides: Any) -> EngineConfig:

@@ -63,6 +63,7 @@ class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any]  # SamplingParams' init fields (see params_to_wire)
+    model: str | None = None  # a normalised model spec; None: the engine's default model
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -76,6 +77,20 @@ class StatsCall(msgspec.Struct, tag=True):
 class EmbedCall(msgspec.Struct, tag=True):
     call_id: int
     prompts: list[list[int]]
+    model: str | None = None
+
+
+class LoadModelCall(msgspec.Struct, tag=True):
+    """Load a model beside the others (if it is not loaded); the Reply, a ModelInfo, comes once it is ready."""
+
+    call_id: int
+    model: str  # normalised spec
+
+
+class ModelsCall(msgspec.Struct, tag=True):
+    """The models the engine holds or is loading; the Reply is a list of api.ModelStatus."""
+
+    call_id: int
 
 
 class SwitchModelCall(msgspec.Struct, tag=True):
@@ -83,7 +98,18 @@ class SwitchModelCall(msgspec.Struct, tag=True):
     model: str | None
 
 
-ClientMessage = Hello | Heartbeat | Bye | AddRequest | AbortRequests | StatsCall | EmbedCall | SwitchModelCall
+ClientMessage = (
+    Hello
+    | Heartbeat
+    | Bye
+    | AddRequest
+    | AbortRequests
+    | StatsCall
+    | EmbedCall
+    | SwitchModelCall
+    | LoadModelCall
+    | ModelsCall
+)
 
 
 # -- engine -> client ---------------------------------------------------------
@@ -104,6 +130,18 @@ class StateUpdate(msgspec.Struct, tag=True):
     detail: str
     info: ModelInfo | None = None
     error_kind: ErrorKind | None = None  # for "failed": INVALID (a bad model spec) or INTERNAL
+
+
+class ModelState(msgspec.Struct, tag=True):
+    """Broadcast to every client when a model beside the default one changes state.
+
+    state: "queued" (waiting for room), "loading", "ready" (with info), "failed" (detail says why;
+    only the requests for this model fail) or "unloaded"."""
+
+    model: str  # normalised spec
+    state: str
+    detail: str
+    info: ModelInfo | None = None
 
 
 class Outputs(msgspec.Struct, tag=True):
@@ -127,7 +165,7 @@ class ShuttingDown(msgspec.Struct, tag=True):
     reason: str
 
 
-EngineMessage = Welcome | StateUpdate | Outputs | Reply | ByeAck | ShuttingDown
+EngineMessage = Welcome | StateUpdate | ModelState | Outputs | Reply | ByeAck | ShuttingDown
 
 
 def client_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder[EngineMessage]]:
@@ -168,7 +206,10 @@ def config_to_json(config: EngineConfig) -> str:
 
 
 def config_from_json(text: str) -> EngineConfig:
-    return EngineConfig.from_overrides(**json.loads(text))
+    data = json.loads(text)
+    if "preload" in data:
+        data["preload"] = tuple(data["preload"])
+    return EngineConfig.from_overrides(**data)
 
 
 # -- model specs ---------------------------------------------------------------

@@ -118,8 +118,9 @@ class ModelRunner:
         # otherwise the Python model with the torch (SDPA) or Triton attention backend.
         ext = self._cpu_extension()
         self.block_size = config.block_size
+        self.weight_bytes = 0  # what the weights take once loaded (the engine's memory budget counts it)
         if self.device.type == "cpu":
-            weight_bytes = self._weight_bytes(source, ext)
+            weight_bytes = self.weight_bytes = self._weight_bytes(source, ext)
             self.num_blocks = self._choose_num_blocks(weight_bytes)
             check_fits(weight_bytes, self.num_blocks * self.bytes_per_block(), self.mc)
         start = time.perf_counter()
