@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_engine_options(parser: argparse.ArgumentParser, default: object = None) -> None:
-    """--max-model-len and --kv-cache-gib (over settings.toml's [engine]); used when the engine starts."""
+    """--max-model-len, --kv-cache-gib and --memory-gib (over settings.toml's [engine]); used when the
+    engine starts."""
     parser.add_argument(
         "--max-model-len",
         type=_positive(int),
@@ -37,6 +38,14 @@ def add_engine_options(parser: argparse.ArgumentParser, default: object = None) 
         default=default,
         metavar="GIB",
         help="the most memory the KV cache may take (default: settings, else sized to the context)",
+    )
+    parser.add_argument(
+        "--memory-gib",
+        type=_positive(float),
+        default=default,
+        metavar="GIB",
+        help="the most memory all loaded models together may take; the least recently used idle one "
+        "is unloaded for room (default: settings, else the memory available)",
     )
 
 

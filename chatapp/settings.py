@@ -141,10 +141,24 @@ class EngineSettings(_Section):
     (a few full contexts, held to half the memory left beside the weights)."""
     max_model_len: int | None = Field(default=None, ge=16)
     """Context length in tokens (prompt + answer); unset: the model's own, held to what memory allows."""
+    memory_gib: float | None = Field(default=None, gt=0)
+    """The memory all the engine's models together may take (weights, KV caches); a model that needs
+    room unloads the least recently used idle one. Unset: the memory the machine has available."""
+    max_loaded_models: int = Field(default=3, ge=1)
+    """At most this many models loaded at once (panes and API clients may each use their own)."""
+    keep_alive_s: float | None = Field(default=300.0, ge=0)
+    """A model loaded on demand (not the default one) is unloaded after this many idle seconds;
+    unset: kept until its room is needed."""
 
     def options(self, **overrides: Any) -> dict[str, Any]:
         """EngineConfig fields from these settings, with command-line values (not None) on top."""
-        chosen = {"kv_cache_memory_gib": self.kv_cache_memory_gib, "max_model_len": self.max_model_len}
+        chosen = {
+            "kv_cache_memory_gib": self.kv_cache_memory_gib,
+            "max_model_len": self.max_model_len,
+            "memory_gib": self.memory_gib,
+            "max_loaded_models": self.max_loaded_models,
+            "keep_alive_s": self.keep_alive_s,
+        }
         chosen.update({k: v for k, v in overrides.items() if v is not None})
         return {k: v for k, v in chosen.items() if v is not None}
 

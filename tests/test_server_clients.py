@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -211,27 +212,65 @@ def test_developer_role_is_a_system_message(served: ServedEngine, model: str) ->
     assert developer["choices"][0]["message"] == system["choices"][0]["message"]
 
 
-def test_models_lists_only_the_model_that_answers_with_its_context_length(
-    served: ServedEngine, model: str, monkeypatch: pytest.MonkeyPatch
+def test_models_lists_every_local_model_and_any_of_them_answers_by_name(
+    served: ServedEngine, model: str, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Issue 19: /v1/models lists the local store by readable ids (never paths), the loaded ones marked;
+    a request naming one that is not loaded loads it beside the default model and answers."""
     from chatapp import store
+    from chatapp.server import state
 
-    listing = [  # the store's LocalModel shape: name, path, facts.supported
-        SimpleNamespace(name=model, path=served.client.model_info.path, facts=SimpleNamespace(supported=True)),
-        SimpleNamespace(name="org/other-model", path="/nowhere/other", facts=SimpleNamespace(supported=True)),
-        SimpleNamespace(name="org/broken", path="/nowhere/broken", facts=SimpleNamespace(supported=False)),
+    monkeypatch.setattr(state, "CATALOG_TTL_S", 0.0)  # list the store afresh on every request
+    listing = [  # the store's LocalModel shape
+        SimpleNamespace(
+            name=model,
+            source="bundled",
+            path=Path(served.client.model_info.path),
+            size_bytes=1,
+            facts=SimpleNamespace(supported=True),
+        ),
+        SimpleNamespace(
+            name=str(tiny_llama),
+            source="directory",
+            path=tiny_llama,
+            size_bytes=1,
+            facts=SimpleNamespace(supported=True),
+        ),
+        SimpleNamespace(
+            name="org/broken",
+            source="hf-cache",
+            path=Path("/nowhere"),
+            size_bytes=1,
+            facts=SimpleNamespace(supported=False),
+        ),
     ]
     monkeypatch.setattr(store, "list_models", lambda: listing, raising=False)
-    data = httpx.get(f"{served.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
-    assert [m["id"] for m in data] == [model]  # the store's other models would answer 404: not listed
+    auth = {"Authorization": f"Bearer {KEY}"}
+    data = httpx.get(f"{served.url}/v1/models", headers=auth).json()["data"]
+    assert [(m["id"], m["loaded"]) for m in data] == [(model, True), (tiny_llama.name, False)]
     assert data[0]["max_model_len"] == served.client.model_info.max_model_len > 0
     assert all(m["object"] == "model" and m["owned_by"] == "chatapp" and m["created"] > 0 for m in data)
-    other = httpx.post(
+
+    answer = httpx.post(
         f"{served.url}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {KEY}"},
-        json={"model": "org/other-model", "messages": [{"role": "user", "content": "hi"}]},
+        headers=auth,
+        json={"model": tiny_llama.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=120,
     )
-    assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == tiny_llama.name
+    data = httpx.get(f"{served.url}/v1/models", headers=auth).json()["data"]
+    assert [(m["id"], m["loaded"]) for m in data] == [(model, True), (tiny_llama.name, True)]
+    assert data[1]["max_model_len"] > 0
+    assert httpx.get(f"{served.url}/v1/models/{tiny_llama.name}", headers=auth).json()["loaded"] is True
+
+    for missing in ("org/other-model", "org/broken"):
+        other = httpx.post(
+            f"{served.url}/v1/chat/completions",
+            headers=auth,
+            json={"model": missing, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert other.status_code == 404 and other.json()["error"]["param"] == "model"
 
 
 def test_cors_headers_only_for_named_origins(served: ServedEngine) -> None:

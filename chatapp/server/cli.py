@@ -12,6 +12,10 @@ import contextlib
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chatapp.engine.client import AsyncEngineClient
 
 API_KEY_ENV = "CHATAPP_API_KEY"
 
@@ -25,7 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     # SUPPRESS: `chatapp --model M serve` (the top-level option) must not be reset by this one's default.
     serve.add_argument(
-        "--model", default=argparse.SUPPRESS, help="model name, directory or GGUF file (default: the bundled SmolLM2)"
+        "--model",
+        action="append",
+        default=argparse.SUPPRESS,
+        help="model name, directory or GGUF file (default: the bundled SmolLM2); repeat it to load several "
+        "(the first is the default, requests naming no model run on it; any local model answers by name)",
     )
     serve.add_argument(
         "--host",
@@ -63,6 +71,26 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args))
 
 
+def _model_args(value: object) -> list[str]:
+    """`--model` given once or more (serve's own option appends; the top-level one is a string)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [str(v) for v in value]
+    return []
+
+
+async def _load_more(client: AsyncEngineClient, models: list[str]) -> None:
+    """The models beside the default one: preloaded by an engine this command spawned (then this only
+    waits for them), loaded now by one it attached to."""
+    for model in models:
+        try:
+            info = await client.load_model(model)
+            print(f"Ready: {info.name}", flush=True)
+        except Exception as exc:  # noqa: BLE001  one model that cannot load leaves the others serving
+            print(f"chatapp serve: could not load {model}: {exc}", file=sys.stderr, flush=True)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from chatapp.engine.client import AsyncEngineClient
     from chatapp.engine.config import EngineConfig
@@ -72,9 +100,13 @@ async def _serve(args: argparse.Namespace) -> int:
     if error is not None:
         print(f"chatapp serve: {error} (running on the defaults)", file=sys.stderr)
     options = settings.engine.options(
-        max_model_len=getattr(args, "max_model_len", None), kv_cache_memory_gib=getattr(args, "kv_cache_gib", None)
+        max_model_len=getattr(args, "max_model_len", None),
+        kv_cache_memory_gib=getattr(args, "kv_cache_gib", None),
+        memory_gib=getattr(args, "memory_gib", None),
     )
-    client = AsyncEngineClient(EngineConfig(model=getattr(args, "model", None) or settings.default_model, **options))
+    models = _model_args(getattr(args, "model", None))
+    default = models[0] if models else settings.default_model
+    client = AsyncEngineClient(EngineConfig(model=default, preload=tuple(models[1:]), **options))
     client.add_state_listener(
         lambda state, detail: print(f"engine: {state}{': ' + detail if detail else ''}", file=sys.stderr, flush=True)
     )
@@ -118,7 +150,11 @@ async def _serve(args: argparse.Namespace) -> int:
                 if client.model_mismatch:
                     print(f"chatapp serve: note: {client.model_mismatch}", file=sys.stderr)
                 print(f"Ready: {client.model_info.name}", flush=True)
-                await stopping
+                preloading = asyncio.create_task(_load_more(client, models[1:]))
+                try:
+                    await stopping
+                finally:
+                    preloading.cancel()
     finally:
         starting.cancel()
         stopping.cancel()

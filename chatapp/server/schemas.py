@@ -287,6 +287,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int | None = Field(default=None, description="the context length, in tokens (as vLLM)")
+    loaded: bool = Field(
+        default=False, description="held by the engine now; any listed model answers, loaded on demand"
+    )
 
 
 class ModelList(BaseModel):

@@ -10,21 +10,71 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import Request
 
-from chatapp.engine.api import EngineClient, EngineDeadError, EngineState, ModelInfo, loaded_model_info
+from chatapp.engine.api import (
+    EngineClient,
+    EngineDeadError,
+    EngineState,
+    ModelInfo,
+    ModelStatus,
+    loaded_model_info,
+)
 from chatapp.server.errors import APIError, from_engine_error, unavailable
 
 log = logging.getLogger(__name__)
 
+CATALOG_TTL_S = 5.0
+"""The local model store is listed at most this often (listing scans the Hugging Face cache)."""
+
+
+@dataclass(frozen=True)
+class LocalModelId:
+    """A model this port can serve: the readable id clients name it by, and the spec the engine loads."""
+
+    id: str
+    spec: str
+    created: int | None = None
+
+
+Catalog = Callable[[], list[LocalModelId]]
+
+
+def local_catalog() -> list[LocalModelId]:
+    """Every runnable model in the local store, by a readable id (never a file path)."""
+    from chatapp import store
+
+    entries: list[LocalModelId] = []
+    taken: set[str] = set()
+    for model in store.list_models():
+        if model.size_bytes is None or not model.facts.supported:
+            continue
+        name = model.name
+        if model.source in ("gguf", "directory"):  # registered paths: named by the file or folder
+            name = model.path.stem if model.path.is_file() else model.path.name
+        unique, n = name, 2
+        while unique.lower() in taken:
+            unique, n = f"{name}-{n}", n + 1
+        taken.add(unique.lower())
+        try:
+            created = int(model.path.stat().st_mtime)
+        except OSError:
+            created = None
+        entries.append(LocalModelId(unique, str(model.path), created))
+    return entries
+
 
 class ServerState:
-    def __init__(self, client: EngineClient | None = None) -> None:
+    def __init__(self, client: EngineClient | None = None, catalog: Catalog | None = local_catalog) -> None:
         self.client = client
         self.started = int(time.time())
         self._restart: asyncio.Task[None] | None = None
+        self._catalog = catalog
+        self._catalog_cache: tuple[float, list[LocalModelId]] | None = None
 
     # -- engine status ------------------------------------------------------
 
@@ -89,25 +139,85 @@ class ServerState:
         info = self.model_info
         return info.name if info is not None else "loading"
 
-    def served_model(self, requested: str | None) -> str:
-        """The id to answer with, or 404 for a model other than the loaded one.
+    def catalog(self) -> list[LocalModelId]:
+        """The local models this port can load by name (cached for a few seconds)."""
+        if self._catalog is None:
+            return []
+        now = time.monotonic()
+        if self._catalog_cache is None or now - self._catalog_cache[0] > CATALOG_TTL_S:
+            try:
+                entries = self._catalog()
+            except Exception:  # noqa: BLE001  a broken store must not break the loaded models' answers
+                log.exception("listing the local models failed")
+                entries = []
+            self._catalog_cache = (now, entries)
+        return self._catalog_cache[1]
 
-        Accepted: no model at all, the loaded model's id (any case), its
-        directory path or the directory's name. Another model is never loaded
-        behind the user's back: switching would end everyone else's requests.
+    async def engine_models(self) -> list[ModelStatus]:
+        """What the engine holds (an engine client without several models: nothing beside the default)."""
+        models = getattr(self.client, "models", None)
+        if models is None or self.phase != "ready":
+            return []
+        try:
+            statuses: list[ModelStatus] = await models()
+        except Exception:  # noqa: BLE001  /v1/models still lists the default model
+            log.exception("asking the engine for its models failed")
+            return []
+        return statuses
+
+    async def engine_for(self, requested: str | None) -> tuple[EngineClient, str]:
+        """The client to run a request naming ``requested`` on, and the model id to answer with.
+
+        The default model answers requests that name none (or name it); any other local model is
+        loaded on demand (the request waits for it) beside the default one. 404 for an unknown id.
         """
+        client = self.engine()
         info = self.model_info
-        if info is None:
-            raise unavailable("the engine is loading; retry shortly")
-        if not requested:
-            return info.name
+        assert info is not None  # engine() returned: the client is ready
+        if not requested or self._is_default(requested, info):
+            return client, info.name
+        bind = getattr(client, "bind", None)
+        spec, model_id = await self._find(requested)
+        if bind is None:
+            raise self._not_found(requested, info)
+        view = bind(spec)
+        try:
+            await view.ready()
+        except Exception as exc:  # noqa: BLE001  could not load: the model's own error, for this request only
+            raise self.error(exc, "model") from None
+        return view, model_id
+
+    async def _find(self, requested: str) -> tuple[str, str]:
+        """(engine spec, id) of a requested model: one the engine holds, or one in the local store."""
+        wanted = requested.lower()
+        for status in await self.engine_models():
+            if status.info is not None and status.info.name.lower() == wanted:
+                return status.spec, self.id_for(status.info)
+        for entry in self.catalog():
+            if entry.id.lower() == wanted:
+                return entry.spec, entry.id
+        info = self.model_info
+        assert info is not None
+        raise self._not_found(requested, info)
+
+    def id_for(self, info: ModelInfo) -> str:
+        """The id a loaded model answers as: its store id where the store lists its path, else its name."""
+        for entry in self.catalog():
+            if entry.spec == info.path:
+                return entry.id
+        return info.name
+
+    @staticmethod
+    def _is_default(requested: str, info: ModelInfo) -> bool:
         aliases = {info.name.lower(), info.path, Path(info.path).name.lower()}
-        if requested in aliases or requested.lower() in aliases:
-            return info.name
-        raise APIError(
+        return requested in aliases or requested.lower() in aliases
+
+    def _not_found(self, requested: str, info: ModelInfo) -> APIError:
+        known = [e.id for e in self.catalog()][:8] or [info.name]
+        return APIError(
             404,
-            f"The model `{requested}` is not loaded here; this server serves `{info.name}`. "
-            f"Switch models in chatapp, or restart `chatapp serve --model {requested}`.",
+            f"The model `{requested}` is not a local model here; GET /v1/models lists those that answer "
+            f"({', '.join(known)}). Pull it first with `chatapp models pull {requested}`.",
             param="model",
             code="model_not_found",
         )

@@ -534,6 +534,7 @@ def run(args: argparse.Namespace | None = None) -> int:
     options = {
         "max_model_len": getattr(args, "max_model_len", None),
         "kv_cache_memory_gib": getattr(args, "kv_cache_gib", None),
+        "memory_gib": getattr(args, "memory_gib", None),
     }
     ChatApp(model=model, engine_options=options).run()
     return 0

@@ -70,8 +70,7 @@ class ChatJob:
 
 async def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJob:
     """Check, render and tokenize a chat request (raising APIError for anything wrong in it)."""
-    client = state.engine()
-    model = state.served_model(body.model)
+    client, model = await state.engine_for(body.model)
     info = client.model_info
     _check_supported(body)
     gen.check_stream_options(body)

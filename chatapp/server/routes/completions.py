@@ -38,8 +38,7 @@ MAX_PROMPTS = 64
     },
 )
 async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
-    client = state.engine()
-    model = state.served_model(body.model)
+    client, model = await state.engine_for(body.model)
     info = client.model_info
     if body.suffix:
         raise unsupported("suffix")

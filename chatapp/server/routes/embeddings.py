@@ -29,8 +29,7 @@ def encode_base64(vector: list[float]) -> str:
     responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
 )
 async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
-    client = state.engine()
-    model = state.served_model(body.model)
+    client, model = await state.engine_for(body.model)
     info = client.model_info
     if body.dimensions is not None:
         raise unsupported("dimensions", "choosing embedding dimensions")

@@ -1,4 +1,9 @@
-"""GET /v1/models and /v1/models/{id}: the models that answer on this port."""
+"""GET /v1/models and /v1/models/{id}: every local model that answers on this port.
+
+The engine's default model comes first (clients that pick the first id get the model that is ready),
+then the other models the engine holds, then the rest of the local store: any listed id answers,
+loaded on demand. ``loaded`` says which are held now (Ollama's /api/ps).
+"""
 
 from __future__ import annotations
 
@@ -24,32 +29,50 @@ def _created(path: str, fallback: int) -> int:
         return fallback
 
 
-def _cards(state: ServerState) -> list[ModelCard]:
-    """The models that answer here (the loaded one), each with its context length (vLLM's field).
-
-    Other models in the local store are not listed: a request naming one would get a 404, and
-    clients pick the first listed id (`chatapp models list` shows the store)."""
+async def _cards(state: ServerState) -> list[ModelCard]:
     info = state.model_info
     if info is None:
         return []
-    return [
+    cards = [
         ModelCard(
             id=info.name,
             created=_created(info.path, state.started),
             owned_by=OWNER,
             max_model_len=info.max_model_len,
+            loaded=True,
         )
     ]
+    held = {info.path}
+    for status in await state.engine_models():
+        other = status.info
+        if status.default or other is None or other.path in held:
+            continue
+        held.add(other.path)
+        cards.append(
+            ModelCard(
+                id=state.id_for(other),
+                created=_created(other.path, state.started),
+                owned_by=OWNER,
+                max_model_len=other.max_model_len,
+                loaded=status.state == "ready",
+            )
+        )
+    taken = {card.id.lower() for card in cards}
+    for entry in state.catalog():
+        if entry.spec in held or entry.id.lower() in taken:
+            continue
+        cards.append(ModelCard(id=entry.id, created=entry.created or state.started, owned_by=OWNER))
+    return cards
 
 
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(state: ServerState = Depends(get_state)) -> ModelList:
-    return ModelList(data=_cards(state))
+    return ModelList(data=await _cards(state))
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
 async def get_model(model_id: str, state: ServerState = Depends(get_state)) -> ModelCard:
-    for card in _cards(state):
+    for card in await _cards(state):
         if card.id == model_id:
             return card
     raise APIError(404, f"The model `{model_id}` does not exist here.", param="model", code="model_not_found")
