@@ -27,7 +27,10 @@ def test_serve_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.host, args.port, args.api_key, args.cors_origins) == ("127.0.0.1", 8000, None, [])
     assert getattr(args, "model", None) is None
     assert build_parser().parse_args(["--model", "m1", "serve"]).model == "m1"
-    assert build_parser().parse_args(["serve", "--model", "m2"]).model == "m2"
+    assert serve_cli._model_args(build_parser().parse_args(["serve", "--model", "m2"]).model) == ["m2"]
+    both = build_parser().parse_args(["serve", "--model", "m2", "--model", "m3", "--memory-gib", "6"])
+    assert serve_cli._model_args(both.model) == ["m2", "m3"] and both.memory_gib == 6.0
+    assert serve_cli._model_args(build_parser().parse_args(["--model", "m1", "serve"]).model) == ["m1"]
     args = build_parser().parse_args(["serve", "--cors-origin", "http://a", "http://b", "--cors-origin", "http://c"])
     assert args.cors_origins == ["http://a", "http://b", "http://c"]
     monkeypatch.setenv(serve_cli.API_KEY_ENV, "from-env")
@@ -75,8 +78,13 @@ def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two models preloaded (issue 19): both answer by name; the first is the default."""
+    from tests.tiny_model import make_tiny_model
+
+    second = make_tiny_model(tmp_path / "second-tiny", seed=7)
+    command = ["serve", "--model", str(tiny_llama), "--model", str(second), "--port", "0", "--api-key", "k"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "chatapp", "--model", str(tiny_llama), "serve", "--port", "0", "--api-key", "k"],
+        [sys.executable, "-m", "chatapp", *command],
         env=_env(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -98,6 +106,16 @@ def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, t
             model=tiny_llama.name, max_tokens=3, messages=[{"role": "user", "content": "hi"}]
         )
         assert answer.usage.completion_tokens == 3
+        printed = [proc.stdout.readline()]
+        while f"Ready: {second.name}" not in printed[-1]:
+            assert proc.poll() is None and time.monotonic() < deadline
+            printed.append(proc.stdout.readline())
+        listed = {m.id: m for m in sdk.models.list().data}
+        assert listed[second.name].loaded is True and next(iter(listed)) == tiny_llama.name
+        other = sdk.chat.completions.create(
+            model=second.name, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert other.model == second.name and other.usage.completion_tokens == 2
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -105,4 +123,4 @@ def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, t
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err
-    assert f"Ready: {tiny_llama.name}" in out and "Traceback" not in err
+    assert f"Ready: {tiny_llama.name}" in "".join(printed) and "Traceback" not in err
