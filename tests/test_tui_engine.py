@@ -207,3 +207,45 @@ async def test_killed_engine_shows_dead_and_restarts(keeper: Any, reference: dic
         answer = pane.conversation.leaf
         assert answer.status == "complete" and answer.content == reference[PROMPTS[1]]
         await app.action_quit()
+
+
+async def test_compare_mode_on_two_models_of_the_one_engine(
+    keeper: Any, reference: dict[str, str], tmp_path: Path, tiny_llama: Path
+) -> None:
+    """Issue 19 on the real engine: a second pane on another model (loaded beside the bundled one),
+    compare mode sends one message to both, each answers as its model alone does, and the history
+    stores each answer with its model's name."""
+    import asyncio
+
+    def tiny_answer() -> str:
+        llm = LLM(str(tiny_llama))
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        return llm.chat([{"role": "user", "content": PROMPTS[0]}], greedy)[0].outputs[0].text
+
+    expected_tiny = await asyncio.to_thread(tiny_answer)  # (a thread: the keeper's heartbeat goes on)
+    data_dir = tmp_path  # a history of its own: one fresh pane to start with
+    app = real_app(data_dir)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await wait_for(pilot, lambda: app.engine.state in ("ready", "busy"), "engine attached", steps=3000)
+        first = panes(app)[0]
+        app.use_model(str(tiny_llama), new_pane=True)
+        await wait_for(pilot, lambda: len(panes(app)) == 2, "a pane for the tiny model", steps=3000)
+        second = panes(app)[1]
+        await wait_for(pilot, lambda: "tiny-llama" in str(second.border_subtitle), "its model shown", steps=3000)
+        for i in (0, 1):
+            main_screen(app).focus_pane(i)
+            await pilot.press("alt+m")
+        await send(pilot, first, PROMPTS[0])
+        await wait_for(pilot, lambda: answered(first) and answered(second), "both answers", steps=3000)
+        assert first.conversation.leaf.content == reference[PROMPTS[0]]
+        assert second.conversation.leaf.content == expected_tiny != reference[PROMPTS[0]]
+        ids = (first.config.db_id, second.config.db_id)
+        statuses = await app.engine.raw_client.models()
+        assert [Path(m.spec).name for m in statuses if not m.default] == [tiny_llama.name]
+        await app.action_quit()
+    store = HistoryStore(data_dir / "history.sqlite3")
+    try:
+        models = [store.path(i)[-1].model for i in ids]
+    finally:
+        store.close()
+    assert models == ["SmolLM2-135M-Instruct", tiny_llama.name]

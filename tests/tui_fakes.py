@@ -75,9 +75,17 @@ class FakeClient:
     )
     restarts: int = 0
     switched_to: list[str | None] = field(default_factory=list)
+    loaded: dict[str, ModelInfo] = field(default_factory=dict)
+    """Models loaded beside the default one (through bind(...).ready())."""
 
     def reply_for(self, messages: list[dict[str, Any]]) -> str:
         return self.reply
+
+    def bind(self, model: str | None) -> FakeModelView:
+        return FakeModelView(self, model)
+
+    def model_handle_info(self, model: str) -> ModelInfo | None:
+        return self.loaded.get(model)
 
     async def generate(
         self,
@@ -87,6 +95,7 @@ class FakeClient:
         *,
         messages: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
+        model: str | None = None,
     ) -> AsyncIterator[OutputDelta]:
         if self.state == "dead":
             raise EngineDeadError("the fake engine is dead")
@@ -97,9 +106,15 @@ class FakeClient:
             yield OutputDelta(rid, "", [], None, True, "stop", None, 10, 1, 0)
             return
         self.requests.append(
-            {"messages": messages, "params": params, "request_id": rid, "continue": continue_final_message}
+            {
+                "messages": messages,
+                "params": params,
+                "request_id": rid,
+                "continue": continue_final_message,
+                "model": model,
+            }
         )
-        text = self.reply_for(messages or [])
+        text = (f"[{model}] " if model else "") + self.reply_for(messages or [])
         pieces = [text[i : i + self.chunk] for i in range(0, len(text), self.chunk)]
         n = 0
         try:
@@ -133,6 +148,35 @@ class FakeClient:
     async def restart(self) -> None:
         self.restarts += 1
         self.state = "ready"
+
+    async def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeModelView:
+    """FakeClient narrowed to one model, as AsyncEngineClient.bind gives (its answers name the model)."""
+
+    client: FakeClient
+    model: str | None
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.client.loaded.get(self.model or "", self.client.model_info)
+
+    async def ready(self) -> ModelInfo:
+        if self.model is not None:
+            self.client.loaded[self.model] = ModelInfo(**{**INFO.__dict__, "name": self.model, "max_model_len": 4096})
+        return self.model_info
+
+    def generate(self, prompt: Any = None, params: Any = None, request_id: str | None = None, **kwargs: Any) -> Any:
+        return self.client.generate(prompt, params, request_id, model=self.model, **kwargs)
+
+    async def abort(self, request_id: str) -> None:
+        await self.client.abort(request_id)
+
+    async def stats(self) -> EngineStats:
+        return await self.client.stats()
 
     async def close(self) -> None:
         pass

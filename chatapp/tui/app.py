@@ -9,6 +9,7 @@ the API server, model downloads -- and the panes ask it for these through
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import re
 from collections.abc import Iterable
@@ -23,8 +24,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.worker import WorkerCancelled, WorkerFailed
 
-from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, loaded_model_info
-from chatapp.history import HistoryError, HistoryOpenError, HistoryStore, Session
+from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, InvalidRequestError, loaded_model_info
+from chatapp.history import Backend, HistoryError, HistoryOpenError, HistoryStore, Session
 from chatapp.logs import tui_log_path
 from chatapp.settings import SettingsError, load_or_default, save
 from chatapp.tui import keymap, ui_state
@@ -224,7 +225,12 @@ class ChatApp(App[None]):
 
     async def client_for(self, config: SessionConfig) -> EngineClient:
         if not config.is_remote:
-            return await self.engine.client()
+            client = await self.engine.client()
+            bind = getattr(client, "bind", None)  # an engine client that holds several models
+            if config.model and bind is not None:
+                view: EngineClient = bind(config.model)
+                return view
+            return client
         backend = config.backend
         url, key = backend.base_url, backend.api_key
         if backend.endpoint:
@@ -247,9 +253,22 @@ class ChatApp(App[None]):
         info = loaded_model_info(self.engine.raw_client)
         return info.name if info is not None else None
 
-    def local_context_length(self) -> int | None:
-        info = loaded_model_info(self.engine.raw_client)
+    def local_context_length(self, model: str | None = None) -> int | None:
+        client = self.engine.raw_client
+        if model is not None:
+            facts = getattr(client, "model_handle_info", None)
+            other = facts(model) if facts is not None else None
+            return other.max_model_len if other is not None else None
+        info = loaded_model_info(client)
         return info.max_model_len if info is not None else None
+
+    async def local_model_names(self) -> list[str]:
+        try:
+            entries = await asyncio.to_thread(self.catalog.list_local)
+        except Exception:  # noqa: BLE001  a broken cache entry: the dialog still opens, the names typed
+            log.exception("listing the local models failed")
+            return []
+        return [e.name for e in entries if e.runnable]
 
     def create_session_config(self) -> SessionConfig:
         """A new session, saved at once so it comes back after a restart."""
@@ -446,6 +465,43 @@ class ChatApp(App[None]):
                 if not pane.config.is_remote:
                     pane.notice(f"The engine now runs {loaded}; the conversation goes on with it.")
         self.notify(f"Switched to {loaded}.")
+
+    @work(group="use-model", exclusive=True, exit_on_error=False)
+    async def use_model(self, name: str, new_pane: bool) -> None:
+        """The focused pane (or a new one) answers with ``name`` from now on: a local model loaded beside
+        the others (the engine's default stays for the other panes). Loaded now, so the first answer
+        does not wait for it."""
+        main = self._main()
+        if main is None:
+            return
+        if new_pane:
+            config = self.create_session_config()
+            config.model = name
+            self.recorder.update_session(config.db_id, model=name)
+            pane = await main.add_pane(config, Conversation())
+        else:
+            active = main.active_pane
+            if active is None:
+                return
+            if active.busy:
+                self.notify("This session is still answering; press Esc to stop it first.", severity="warning")
+                return
+            pane = active
+            pane.config = pane.config.copy(model=name, backend=Backend.local())
+            self.recorder.update_session(pane.config.db_id, model=name, backend=pane.config.backend)
+        pane.update_titles()
+        pane.notice(f"Loading {name}…")
+        try:
+            client = await self.client_for(pane.config)
+            ready = getattr(client, "ready", None)
+            if ready is not None:
+                await ready()
+        except (EngineError, InvalidRequestError, ValueError) as exc:
+            pane.notice(f"Could not load {name}: {exc}")
+            return
+        pane.notice("")
+        pane.update_titles()
+        self.notify(f"{pane.config.title} answers with {name}.")
 
     @property
     def latest_pull(self) -> PullJob | None:

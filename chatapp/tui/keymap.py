@@ -36,7 +36,7 @@ class Action:
 ACTIONS: tuple[Action, ...] = (
     Action("help", "help", "Show every key", "f1", "app"),
     Action("settings", "settings", "Edit settings (model, theme, memory, port)", "f2", "app"),
-    Action("models", "models", "Models: local list, Hub search, downloads, switch", "f4", "app"),
+    Action("models", "models", "Models: local list, Hub search, downloads, a model per pane", "f4", "app"),
     Action("search", "sessions", "Sessions list: search, open, export", "f7", "app"),
     Action("quit", "quit", "Quit", "ctrl+q", "app"),
     Action("new_session", "new_session", "New session pane", "ctrl+t", "chat"),
@@ -45,7 +45,7 @@ ACTIONS: tuple[Action, ...] = (
     Action(
         "session_settings",
         "session_settings",
-        "Session settings: system prompt, sampling, local or remote",
+        "Session settings: model, system prompt, sampling, local or remote",
         "f5",
         "chat",
     ),
@@ -60,6 +60,20 @@ ACTIONS: tuple[Action, ...] = (
     Action("copy_answer", "copy_answer", "Copy the last answer to the clipboard", "ctrl+o", "chat"),
     Action("copy_code", "copy_code", "Copy the last code block of the last answer", "alt+c", "chat"),
     Action("export", "export", "Export the focused session to Markdown and JSON", "ctrl+s", "chat"),
+    Action(
+        "compare_mark",
+        "compare_mark",
+        "Mark or unmark the focused pane for compare mode (a message sent in one marked pane goes to all)",
+        "alt+m",
+        "chat",
+    ),
+    Action(
+        "new_comparison",
+        "new_comparison",
+        "New comparison: one question to N new panes with N models or system prompts",
+        "alt+k",
+        "chat",
+    ),
     Action("toggle_server", "toggle_server", "Start or stop the local OpenAI-compatible API port", "f9", "app"),
     Action("restart_engine", "restart_engine", "Restart the engine (after it died)", "f10", "app"),
 )

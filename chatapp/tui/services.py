@@ -32,8 +32,9 @@ class ChatServices(Protocol):
     def local_model_name(self) -> str | None:
         """The model the local engine runs (None until known)."""
 
-    def local_context_length(self) -> int | None:
-        """The local engine's context in tokens (None until known)."""
+    def local_context_length(self, model: str | None = None) -> int | None:
+        """The context in tokens of the local engine's default model, or of ``model`` once it is loaded
+        (None until known)."""
 
 
 class MainScreenServices(ChatServices, Protocol):
@@ -46,6 +47,9 @@ class MainScreenServices(ChatServices, Protocol):
 
     def export_session(self, config: SessionConfig) -> list[Path]:
         """Write a session to Markdown and JSON files; the paths written."""
+
+    async def local_model_names(self) -> list[str]:
+        """The runnable models on this machine, by the names panes use them by."""
 
 
 class SessionsScreenServices(Protocol):
@@ -67,7 +71,10 @@ class ModelScreenServices(Protocol):
         """The model the local engine runs (None until known)."""
 
     def switch_model(self, name: str) -> Worker[None]:
-        """Start loading another model in the local engine (a worker: returns at once)."""
+        """Make another model the local engine's default (a worker: returns at once)."""
+
+    def use_model(self, name: str, new_pane: bool) -> Worker[None]:
+        """Have the focused pane (or a new one) answer with ``name``, loaded beside the others."""
 
     @property
     def latest_pull(self) -> PullJob | None:

@@ -37,7 +37,8 @@ class SessionConfig:
 
     title: str
     model: str | None = None
-    """For a remote session: the model name to ask the server for. Local sessions use the engine's model."""
+    """Remote: the model name to ask the server for. Local: a local model (loaded on demand beside the
+    others in the one engine), or None for the engine's default model."""
     system_prompt: str = ""
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     backend: Backend = field(default_factory=Backend.local)

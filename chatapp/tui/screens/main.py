@@ -17,11 +17,12 @@ from textual.widgets import Tab, Tabs
 from chatapp.tui import keymap
 from chatapp.tui.code_blocks import code_blocks
 from chatapp.tui.conversation import Conversation
+from chatapp.tui.screens.compare import CompareScreen
 from chatapp.tui.screens.confirm import ConfirmScreen
 from chatapp.tui.screens.rename import RenameScreen
 from chatapp.tui.screens.session_settings import SessionSettingsScreen
 from chatapp.tui.session_config import SessionConfig
-from chatapp.tui.widgets.chat_pane import ChatPane
+from chatapp.tui.widgets.chat_pane import ChatPane, model_label
 from chatapp.tui.widgets.status_bar import StatusBar
 
 if TYPE_CHECKING:
@@ -278,6 +279,57 @@ class MainScreen(Screen[None]):
             return
         self.app.copy_to_clipboard(blocks[-1])
         self.notify(f"Copied the code block ({len(blocks[-1].splitlines())} lines).")
+
+    # -- compare mode ---------------------------------------------------------------------------------
+
+    def action_compare_mark(self) -> None:
+        pane = self.active_pane
+        if pane is None:
+            return
+        pane.compare = not pane.compare
+        marked = sum(1 for p in self.panes if p.compare)
+        if pane.compare:
+            self.notify(
+                f"{pane.config.title} is marked for compare ({marked} marked): "
+                "a message sent in any marked pane goes to all of them."
+            )
+        else:
+            self.notify(f"{pane.config.title} is no longer compared ({marked} marked).")
+
+    @on(ChatPane.CompareSubmitted)
+    async def _compare_submitted(self, event: ChatPane.CompareSubmitted) -> None:
+        """One message to every marked pane, the one it was typed in first."""
+        others = [p for p in self.panes if p.compare and p is not event.pane]
+        if not await event.pane.send(event.text):
+            return
+        for pane in others:
+            await pane.send(event.text, from_prompt=False)
+
+    @work(exclusive=True, group="new-comparison")
+    async def action_new_comparison(self) -> None:
+        """Open N panes (a model or system prompt each), marked for compare, and ask them one question."""
+        active = self.active_pane
+        draft = active.prompt.text if active is not None and active.editing is None else ""
+        names = await self.services.local_model_names()
+        comparison = await self.app.push_screen_wait(CompareScreen(names, draft))
+        if comparison is None:
+            return
+        for pane in self.panes:
+            pane.compare = False
+        opened: list[ChatPane] = []
+        for i, (model, system_prompt) in enumerate(comparison.panes, 1):
+            config = self.services.create_session_config()
+            config.model, config.system_prompt = model, system_prompt
+            label = model_label(model) if model else self.services.local_model_name() or "default"
+            config.title = f"Compare {i}: {label}" + (f" · {system_prompt[:20]}" if system_prompt else "")
+            self.services.recorder.update_session(
+                config.db_id, title=config.title, model=model, system_prompt=system_prompt
+            )
+            pane = await self.add_pane(config, Conversation())
+            pane.compare = True
+            opened.append(pane)
+        for pane in opened:
+            await pane.send(comparison.question, from_prompt=False)
 
     def action_export(self) -> None:
         if (pane := self.active_pane) is not None:

@@ -26,6 +26,8 @@ class ModelScreen(ModalScreen[None]):
         Binding("escape", "close", "Close"),
         Binding("ctrl+x", "cancel_download", "Cancel download", priority=True),
         Binding("ctrl+l", "reload", "Reload list", priority=True),
+        Binding("u", "use_here", "Use in this pane"),
+        Binding("n", "use_in_new_pane", "Use in a new pane"),
     ]
 
     def __init__(self, services: ModelScreenServices) -> None:
@@ -36,7 +38,8 @@ class ModelScreen(ModalScreen[None]):
         with Vertical(classes="dialog wide tall"):
             yield Label("Models", classes="dialog-title")
             yield Label("", id="current-model")
-            yield Label("On this machine (Enter switches the engine to it)", classes="section")
+            # U and N: a pane of its own beside the others; Enter: the engine's default model for every pane.
+            yield Label("Local · U: this pane · N: new pane · Enter: default", classes="section")
             yield DataTable(id="local", cursor_type="row", zebra_stripes=True)
             yield Label("Hugging Face Hub (Enter searches; Enter on a result downloads it)", classes="section")
             yield Input(placeholder="Search text-generation models…", id="hub-search")
@@ -125,6 +128,28 @@ class ModelScreen(ModalScreen[None]):
         if name:
             self.services.switch_model(name)
             self._show_current()
+
+    def _highlighted_local(self) -> str | None:
+        table = self.query_one("#local", DataTable)
+        if not table.has_focus or table.row_count == 0:
+            return None
+        key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        return key if isinstance(key, str) else None
+
+    def action_use_here(self) -> None:
+        self._use(new_pane=False)
+
+    def action_use_in_new_pane(self) -> None:
+        self._use(new_pane=True)
+
+    def _use(self, new_pane: bool) -> None:
+        """The highlighted local model answers in the focused pane (or a new one), beside the others."""
+        name = self._highlighted_local()
+        if name is None:
+            self.notify("Pick a model in the local list first.", severity="warning")
+            return
+        self.services.use_model(name, new_pane)
+        self.dismiss(None)
 
     @on(DataTable.RowSelected, "#hub")
     def _pull(self, event: DataTable.RowSelected) -> None:

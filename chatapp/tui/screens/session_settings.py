@@ -1,4 +1,5 @@
-"""Per-session settings: title, system prompt, sampling, and local engine or remote server."""
+"""Per-session settings: title, system prompt, sampling, and the model: local (any, loaded beside the
+others) or on a remote server."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
                     allow_blank=False,
                     id="backend",
                 )
+                with Vertical(id="local-fields"):
+                    yield Label("Local model (a name from the models screen, F4; blank: the engine's default)")
+                    yield Input("" if c.is_remote else c.model or "", id="local-model")
                 with Vertical(id="remote-fields"):
                     yield Label("Endpoint from settings (or leave blank and give a URL)")
                     yield Select(
@@ -79,6 +83,7 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
 
     def _show_remote(self, remote: bool) -> None:
         self.query_one("#remote-fields").display = remote
+        self.query_one("#local-fields").display = not remote
 
     @on(Select.Changed, "#backend")
     def _backend_changed(self, event: Select.Changed) -> None:
@@ -119,6 +124,7 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
                 raise SessionConfigError("a remote session needs the model name to ask the server for")
         else:
             backend = Backend.local()
+            model = self._value("#local-model") or None
         return self._config.copy(
             title=self._value("#title") or self._config.title,
             system_prompt=self.query_one("#system-prompt", TextArea).text,

@@ -52,6 +52,14 @@ RATE_MIN_S = 0.05
 (a stream cut off at once, the engine dying) is noise, not speed."""
 
 
+def model_label(spec: str) -> str:
+    """A model as a pane shows it: a store name as it is, a file or folder by its name."""
+    if spec.startswith(("/", "~", ".")):
+        name = spec.rstrip("/").rsplit("/", 1)[-1]
+        return name.removesuffix(".gguf")
+    return spec
+
+
 class ChatPane(Vertical):
     """A session pane. The main screen lays panes out and routes keys to the focused one."""
 
@@ -62,12 +70,22 @@ class ChatPane(Vertical):
             super().__init__()
             self.pane = pane
 
+    class CompareSubmitted(Message):
+        """A message sent in a pane marked for compare mode: the main screen sends it to every marked pane."""
+
+        def __init__(self, pane: ChatPane, text: str) -> None:
+            super().__init__()
+            self.pane = pane
+            self.text = text
+
     busy: reactive[bool] = reactive(False)
     """An answer is being generated."""
     rate: reactive[float | None] = reactive(None)
     """Tokens per second of the answer being written, else of the last one shown."""
     editing: reactive[Node | None] = reactive(None, init=False)
     """The user message being edited (Enter resends it as a new branch)."""
+    compare: reactive[bool] = reactive(False, init=False)
+    """Marked for compare mode: what is sent in any marked pane is sent in all of them."""
 
     def __init__(
         self, services: ChatServices, config: SessionConfig, conversation: Conversation, *, id: str | None = None
@@ -138,17 +156,23 @@ class ChatPane(Vertical):
         self.save_draft()
 
     def update_titles(self) -> None:
-        self.border_title = self.config.title or "Untitled"
+        self.border_title = ("⇶ " if self.compare else "") + (self.config.title or "Untitled")
         if self.config.is_remote:
             where = self.config.backend.endpoint or self.config.backend.base_url or "remote"
             self.border_subtitle = f"{self.config.model or '?'} @ {where}"
         else:
-            self.border_subtitle = self.services.local_model_name() or "local engine"
+            self.border_subtitle = self.model_name() or "local engine"
         used = self.context_used()
         if used is not None:
-            context = None if self.config.is_remote else self.services.local_context_length()
+            context = None if self.config.is_remote else self.services.local_context_length(self.config.model)
             self.border_subtitle += f" · {used:,}" + (f"/{context:,}" if context else "") + " tokens"
         self.post_message(self.Changed(self))
+
+    def model_name(self) -> str | None:
+        """The model this pane's answers come from: its own, else the local engine's default one."""
+        if self.config.model:
+            return model_label(self.config.model)
+        return None if self.config.is_remote else self.services.local_model_name()
 
     def context_used(self) -> int | None:
         """Tokens the conversation shown takes: the last answer's prompt plus what it wrote (None before
@@ -189,6 +213,10 @@ class ChatPane(Vertical):
     def watch_rate(self) -> None:
         self.post_message(self.Changed(self))
 
+    def watch_compare(self) -> None:
+        self.set_class(self.compare, "compare")
+        self.update_titles()
+
     def watch_editing(self, node: Node | None) -> None:
         self.notice("Editing your message: Enter sends it as a new branch, Esc cancels." if node else "")
 
@@ -196,14 +224,22 @@ class ChatPane(Vertical):
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
+        if self.compare and self.editing is None:
+            self.post_message(self.CompareSubmitted(self, event.text))
+            return
         await self.send(event.text)
 
-    async def send(self, text: str) -> bool:
-        """Add the user's message (or the edit of one) and start the answer; False if refused."""
+    async def send(self, text: str, *, from_prompt: bool = True) -> bool:
+        """Add the user's message (or the edit of one) and start the answer; False if refused.
+
+        ``from_prompt=False``: the text came from another pane (compare mode); this pane's prompt,
+        draft and edit in progress are left as they are."""
         if self.busy:
-            self.app.notify("This session is still answering; press Esc to stop it first.", severity="warning")
+            self.app.notify(
+                f"{self.config.title} is still answering; press Esc there to stop it first.", severity="warning"
+            )
             return False
-        editing = self.editing
+        editing = self.editing if from_prompt else None
         parent = editing.parent if editing is not None else self.conversation.leaf
         if parent is not None and parent.role == "user":
             # The last answer failed before it was saved: answer this message again rather than
@@ -214,7 +250,7 @@ class ChatPane(Vertical):
         if editing is not None:
             self.editing = None
             self._restore_draft()  # the edited message went; the unsent draft comes back
-        else:
+        elif from_prompt:
             self.prompt.clear()
             self._typed = ""
             self.save_draft()
@@ -309,8 +345,7 @@ class ChatPane(Vertical):
         self._worker = self._generate(answer, continuing=True)
 
     async def start_answer(self, question: Node) -> None:
-        model = self.config.model if self.config.is_remote else self.services.local_model_name()
-        answer = self.conversation.add(question, "assistant", "", status="streaming", model=model)
+        answer = self.conversation.add(question, "assistant", "", status="streaming", model=self.model_name())
         self.services.recorder.save(self.config.db_id, answer, streaming=True)
         await self.show_path()
         self.busy = True
@@ -336,6 +371,14 @@ class ChatPane(Vertical):
         try:
             params = self.config.sampling_params()
             client = await self.services.client_for(self.config)
+            ready = getattr(client, "ready", None)  # a model beside the engine's default: loaded on demand
+            if ready is not None and self.config.model and not self.config.is_remote:
+                if self.services.local_context_length(self.config.model) is None:
+                    self.notice(f"Loading {model_label(self.config.model)}…")
+                    try:
+                        await ready()
+                    finally:
+                        self.notice("")
             messages = self.conversation.chat_messages(self.config.system_prompt, answer.parent)
             if continuing:
                 messages.append({"role": "assistant", "content": answer.content})
