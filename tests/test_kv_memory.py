@@ -95,17 +95,18 @@ def test_context_and_cache_cap_come_from_the_command_line_over_settings(capsys) 
     from chatapp.settings import EngineSettings
 
     saved = EngineSettings(max_model_len=4096, kv_cache_memory_gib=3.0)
-    assert saved.options() == {"max_model_len": 4096, "kv_cache_memory_gib": 3.0}
-    assert EngineSettings().options() == {}  # nothing set: the engine sizes itself
+    pool = {"max_loaded_models": 3, "keep_alive_s": 300.0}  # the several-models defaults (issue 19)
+    assert saved.options() == {"max_model_len": 4096, "kv_cache_memory_gib": 3.0, **pool}
+    assert EngineSettings().options() == pool  # nothing else set: the engine sizes itself
     for argv in (
-        ["serve", "--max-model-len", "8192", "--kv-cache-gib", "1.5"],
-        ["--max-model-len", "8192", "--kv-cache-gib", "1.5", "serve"],
+        ["serve", "--max-model-len", "8192", "--kv-cache-gib", "1.5", "--memory-gib", "12"],
+        ["--max-model-len", "8192", "--kv-cache-gib", "1.5", "--memory-gib", "12", "serve"],
     ):
         args = build_parser().parse_args(argv)
-        assert saved.options(max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib) == {
-            "max_model_len": 8192,
-            "kv_cache_memory_gib": 1.5,
-        }
+        chosen = saved.options(
+            max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib, memory_gib=args.memory_gib
+        )
+        assert chosen == {"max_model_len": 8192, "kv_cache_memory_gib": 1.5, "memory_gib": 12.0, **pool}
     args = build_parser().parse_args([])
     assert saved.options(max_model_len=args.max_model_len, kv_cache_memory_gib=args.kv_cache_gib) == saved.options()
     with pytest.raises(SystemExit):

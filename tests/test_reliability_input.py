@@ -245,7 +245,7 @@ BAD_INPUT = [
         {},
         404,
         "model",
-        ["gpt-4o", "not loaded"],
+        ["gpt-4o", "not a local model"],
     ),
     (
         "malformed JSON",
