@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import DataTable, Input, TextArea
+from textual.widgets import DataTable, Input, Static, TextArea
 
+from chatapp.engine.ipc import normalize_model_spec
 from chatapp.history import HistoryStore
 from chatapp.tui.screens.compare import CompareScreen, plan_comparison
 from chatapp.tui.screens.models import ModelScreen
@@ -129,6 +130,16 @@ async def test_a_pane_picks_its_local_model_in_session_settings(tmp_path: Path) 
         assert client.requests[-1]["model"] == "model-z" and pane.conversation.path()[-1].model == "model-z"
         assert "model-z" in client.loaded  # loaded (with a "Loading model-z…" notice) before it was asked
         assert "4,096 tokens" in str(pane.border_subtitle)  # its own context, not the default model's
+
+        # The engine's progress loading a pane's model shows in that pane (and only there).
+        notice = pane.query_one(".pane-notice", Static)
+        app._model_changed(normalize_model_spec("model-z"), "loading", "reading weights 3/30")
+        app._model_changed(normalize_model_spec("other-model"), "loading", "not this pane's")
+        await pilot.pause()
+        assert str(notice.render()) == "Loading model-z: reading weights 3/30"
+        app._model_changed(normalize_model_spec("model-z"), "ready", "model-z ready")
+        await pilot.pause()
+        assert str(notice.render()) == "" and not pane.has_class("has-notice")
         await app.action_quit()
 
 

@@ -404,12 +404,17 @@ async def test_settings_screen_saves_the_file(tmp_path: Path) -> None:
         assert "whole number" in str(app.screen.query_one("#error").render())
         app.screen.query_one("#port").value = "8123"
         app.screen.query_one("#kv-gib").value = "2.5"
+        app.screen.query_one("#memory-gib").value = "lots"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert "models' memory must be a number" in str(app.screen.query_one("#error").render())
+        app.screen.query_one("#memory-gib").value = "12"
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: (tmp_path / "settings.toml").exists(), "saved")
     from chatapp.settings import load
 
     saved = load(tmp_path / "settings.toml")
-    assert saved.server.port == 8123 and saved.engine.kv_cache_memory_gib == 2.5
+    assert saved.server.port == 8123 and saved.engine.kv_cache_memory_gib == 2.5 and saved.engine.memory_gib == 12
 
 
 async def test_broken_settings_file_is_reported_and_defaults_are_used(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from textual.screen import Screen
 from textual.worker import WorkerCancelled, WorkerFailed
 
 from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, InvalidRequestError, loaded_model_info
+from chatapp.engine.ipc import normalize_model_spec
 from chatapp.history import Backend, HistoryError, HistoryOpenError, HistoryStore, Session
 from chatapp.logs import tui_log_path
 from chatapp.settings import SettingsError, load_or_default, save
@@ -41,6 +42,7 @@ from chatapp.tui.screens.models import ModelScreen
 from chatapp.tui.screens.sessions import SessionsScreen
 from chatapp.tui.screens.settings import SettingsScreen
 from chatapp.tui.session_config import DEFAULT_SAMPLING, SessionConfig
+from chatapp.tui.widgets.chat_pane import model_label
 from chatapp.tui.widgets.status_bar import StatusBar
 
 log = logging.getLogger(__name__)
@@ -186,6 +188,9 @@ class ChatApp(App[None]):
     @work(group="engine", exclusive=True, exit_on_error=False)
     async def _start_engine(self) -> None:
         await self.engine.start()
+        listen = getattr(self.engine.raw_client, "add_model_listener", None)
+        if listen is not None:  # (a restart keeps the same client, so this runs once)
+            listen(self._model_changed)
         await self._poll_engine()
         if self.engine.state == "dead":
             self.notify(f"The engine did not start: {self.engine.last.detail}", severity="error", timeout=15)
@@ -244,6 +249,23 @@ class ChatApp(App[None]):
         if cache_key not in self._remote:
             self._remote[cache_key] = RemoteClient(url, key, config.model)
         return self._remote[cache_key]  # type: ignore[return-value]
+
+    def _model_changed(self, spec: str, state: str, detail: str) -> None:
+        """The engine's progress loading a pane's own model, shown in the panes that wait for it."""
+        main = self._main()
+        if main is None:
+            return
+        for pane in main.panes:
+            model = pane.config.model
+            if pane.config.is_remote or not model or normalize_model_spec(model) != spec:
+                continue
+            if state in ("queued", "loading"):
+                pane.notice(f"Loading {model_label(model)}: {detail}")
+            elif state == "failed":
+                pane.notice(detail)
+            elif state == "ready":
+                pane.notice("")
+                pane.update_titles()
 
     def engine_died(self, reason: str) -> None:
         self.engine.mark_dead(reason)

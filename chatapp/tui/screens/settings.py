@@ -45,6 +45,9 @@ class SettingsScreen(ModalScreen[Settings | None]):
                     yield Input(
                         "" if s.engine.kv_cache_memory_gib is None else str(s.engine.kv_cache_memory_gib), id="kv-gib"
                     )
+                with Vertical(classes="field"):
+                    yield Label("All models in GiB (blank: what is free)")
+                    yield Input("" if s.engine.memory_gib is None else str(s.engine.memory_gib), id="memory-gib")
             with Horizontal(classes="fields"):
                 with Vertical(classes="field"):
                     yield Label("API host")
@@ -67,11 +70,16 @@ class SettingsScreen(ModalScreen[Settings | None]):
         """The form as Settings; raises ValueError with a readable message."""
         new = self._settings.model_copy(deep=True)
         kv = self._value("#kv-gib")
+        budget = self._value("#memory-gib")
         port = self._value("#port")
         try:
             kv_gib = float(kv) if kv else None
         except ValueError:
             raise ValueError(f"engine memory must be a number of GiB, got {kv!r}") from None
+        try:
+            memory_gib = float(budget) if budget else None
+        except ValueError:
+            raise ValueError(f"the models' memory must be a number of GiB, got {budget!r}") from None
         if not port.isdigit():
             raise ValueError(f"the API port must be a whole number, got {port!r}")
         context = self._value("#context")
@@ -81,6 +89,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
             new.default_model = self._value("#default-model") or None
             new.theme = str(self.query_one("#theme", Select).value)
             new.engine.kv_cache_memory_gib = kv_gib
+            new.engine.memory_gib = memory_gib
             new.engine.max_model_len = int(context) if context else None
             new.server.host = self._value("#host")
             new.server.port = int(port)
