@@ -743,3 +743,50 @@ async def test_quitting_while_a_title_is_being_asked_for_is_clean(tmp_path: Path
         await wait_for(pilot, lambda: any(w.group == "titles" for w in app.workers), "a title being asked for")
         await app.action_quit()  # must not raise (WorkerCancelled) nor wait for ever
     assert pane.config.title == "Chat 1"
+
+
+async def test_the_status_bar_counts_the_api_requests(tmp_path: Path) -> None:
+    """Issue 18: the /v1 base URL and a live count of API requests (running, served) in the status bar."""
+    import httpx
+
+    (tmp_path / "settings.toml").write_text('[server]\nhost = "127.0.0.1"\nport = 0\n')
+    app = make_app(tmp_path)
+    async with app.run_test(size=(160, 40)) as pilot:
+        bar = main_screen(app).query_one(StatusBar)
+        await pilot.press("f9")
+        await wait_for(pilot, lambda: bar.server_url is not None, "the port open")
+        async with httpx.AsyncClient() as http:
+            for _ in range(3):
+                assert (await http.get(f"{bar.server_url}/v1/models")).status_code == 200
+            await http.get(f"{bar.server_url}/health")  # a probe, not an API request: not counted
+        await wait_for(pilot, lambda: bar.api_requests == (0, 3), "three requests counted")
+        assert f"API {bar.server_url}/v1 · 0 running, 3 served" in str(bar.render())
+        await app.action_quit()
+
+
+async def test_the_request_counter_counts_a_request_as_running_until_its_answer_ends() -> None:
+    import asyncio
+
+    from chatapp.server.middleware import RequestCounter, RequestCounts
+
+    inside, release = asyncio.Event(), asyncio.Event()
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001  a bare ASGI app that streams until released
+        inside.set()
+        await release.wait()
+
+    counts = RequestCounts()
+    counter = RequestCounter(app, counts)
+    task = asyncio.create_task(counter({"type": "http", "path": "/v1/chat/completions"}, None, None))
+    await inside.wait()
+    assert (counts.running, counts.total) == (1, 1)
+    release.set()
+    await task
+    assert (counts.running, counts.total) == (0, 1)
+    release.clear()
+    inside.clear()
+    other = asyncio.create_task(counter({"type": "http", "path": "/metrics"}, None, None))
+    await inside.wait()
+    assert (counts.running, counts.total) == (0, 1)  # only the API's /v1 routes count
+    release.set()
+    await other

@@ -13,7 +13,7 @@ from chatapp import __version__
 from chatapp.engine.api import EngineClient
 from chatapp.server.auth import require_api_key
 from chatapp.server.errors import install_handlers
-from chatapp.server.middleware import DEFAULT_MAX_BODY_BYTES, AssumeJSON, BodySizeLimit
+from chatapp.server.middleware import DEFAULT_MAX_BODY_BYTES, AssumeJSON, BodySizeLimit, RequestCounter
 from chatapp.server.routes import chat, completions, embeddings, models, ops, responses
 from chatapp.server.state import ServerState
 
@@ -60,6 +60,7 @@ def create_app(
     # The last added is the outermost: CORS headers go on every answer (a 413 included),
     # and the body limit applies before anything reads the body.
     app.add_middleware(AssumeJSON)
+    app.add_middleware(RequestCounter, counts=app.state.server.requests)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if cors_origins:  # no CORS headers at all unless origins were named
         app.add_middleware(

@@ -94,3 +94,33 @@ class AssumeJSON:
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = {**scope, "headers": headers + [(b"content-type", b"application/json")], SENT_CONTENT_TYPE: sent}
         await self.app(scope, receive, send)
+
+
+class RequestCounter:
+    """Counts the API's requests (``/v1/...``) as they run and in all, for the TUI's status bar.
+
+    A streamed answer counts as running until its last chunk is sent (the app's call returns then).
+    """
+
+    def __init__(self, app: ASGIApp, counts: RequestCounts) -> None:
+        self.app = app
+        self.counts = counts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        self.counts.running += 1
+        self.counts.total += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counts.running -= 1
+
+
+class RequestCounts:
+    """How many API requests run now, and how many came since the server started."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.total = 0

@@ -25,6 +25,7 @@ from chatapp.engine.api import (
     loaded_model_info,
 )
 from chatapp.server.errors import APIError, from_engine_error, unavailable
+from chatapp.server.middleware import RequestCounts
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class ServerState:
         self._restart: asyncio.Task[None] | None = None
         self._catalog = catalog
         self._catalog_cache: tuple[float, list[LocalModelId]] | None = None
+        self.requests = RequestCounts()  # the API's requests, running and in all (middleware.py counts)
 
     # -- engine status ------------------------------------------------------
 

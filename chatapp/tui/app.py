@@ -336,6 +336,9 @@ class ChatApp(App[None]):
         bar.engine = snapshot
         bar.history_failing = self.recorder.failing
         bar.server_url = getattr(self._server, "url", None) if self._server is not None else None
+        if self._server is not None:
+            counts = self._server.state.requests
+            bar.api_requests = (counts.running, counts.total)
         bar.restart_key = keymap.display_key(keymap.key_for("restart_engine", self.settings.keys))
         bar.help_key = keymap.display_key(keymap.key_for("help", self.settings.keys))
 

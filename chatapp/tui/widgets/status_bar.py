@@ -24,6 +24,8 @@ class StatusBar(Widget):
     engine: reactive[EngineSnapshot] = reactive(EngineSnapshot("starting"), layout=False)
     session_rate: reactive[float | None] = reactive(None)
     server_url: reactive[str | None] = reactive(None)
+    api_requests: reactive[tuple[int, int]] = reactive((0, 0))
+    """The API port's requests (running now, served in all since it opened)."""
     history_failing: reactive[bool] = reactive(False)
     restart_key: reactive[str] = reactive("F10")
     help_key: reactive[str] = reactive("F1")
@@ -51,7 +53,11 @@ class StatusBar(Widget):
         if e.prefix_hit_rate is not None:
             parts.append(f"prefix hits {e.prefix_hit_rate:.0%}")
         parts.append(f"{self.session_rate:.1f} tok/s" if self.session_rate is not None else "– tok/s")
-        parts.append(f"API {self.server_url}" if self.server_url else "API off")
+        if self.server_url:
+            running, total = self.api_requests
+            parts.append(f"API {self.server_url}/v1 · {running} running, {total} served")
+        else:
+            parts.append("API off")
         text.append("  " + " │ ".join(parts))
         if self.history_failing:
             text.append("  ⚠ history not saved", style="bold red")
