@@ -790,3 +790,58 @@ async def test_the_request_counter_counts_a_request_as_running_until_its_answer_
     assert (counts.running, counts.total) == (0, 1)  # only the API's /v1 routes count
     release.set()
     await other
+
+
+KEY = "sk-test-7f3a9c-not-in-history"
+
+
+def _raw_history(tmp_path: Path) -> bytes:
+    """Every byte the history keeps on disk (the database and its write-ahead log)."""
+    return b"".join(p.read_bytes() for p in tmp_path.glob("history.sqlite3*") if p.is_file())
+
+
+async def test_a_remote_sessions_api_key_goes_to_the_settings_file_not_the_history(tmp_path: Path) -> None:
+    """Issue 18: API keys of remote sessions are kept out of SQLite (in the 0600 settings file)."""
+    from chatapp.settings import load
+    from chatapp.tui.screens.session_settings import SessionSettingsScreen
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: isinstance(app.screen, SessionSettingsScreen), "F5")
+        app.screen.query_one("#backend").value = "remote"
+        app.screen.query_one("#base-url").value = "http://127.0.0.1:9/v1"
+        app.screen.query_one("#api-key").value = KEY
+        app.screen.query_one("#model").value = "remote-model"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: pane.config.is_remote, "the session is remote")
+        assert pane.config.backend.api_key is None and pane.config.backend.endpoint == "127.0.0.1:9"
+        await app.action_quit()
+    settings = load(tmp_path / "settings.toml")
+    assert settings.endpoint("127.0.0.1:9").api_key == KEY
+    assert (tmp_path / "settings.toml").stat().st_mode & 0o777 == 0o600
+    assert KEY.encode() not in _raw_history(tmp_path)
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        session = store.get_session(pane.config.db_id)
+        assert session.backend.endpoint == "127.0.0.1:9" and session.backend.api_key is None
+        assert KEY not in store.export_json(session.id, include_secrets=True)
+
+
+async def test_a_key_an_earlier_version_kept_in_the_history_moves_to_the_settings_file(tmp_path: Path) -> None:
+    from chatapp.history import Backend
+    from chatapp.settings import load
+
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        old = store.create_session("Old remote chat", backend=Backend.remote("https://example.test/v1", api_key=KEY))
+    app = make_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        pane = next(p for p in panes(app) if p.config.db_id == old.id)
+        endpoint = app.settings.endpoint(pane.config.backend.endpoint or "")
+        assert endpoint is not None and endpoint.api_key == KEY and endpoint.base_url == "https://example.test/v1"
+        await app.action_quit()
+    assert load(tmp_path / "settings.toml").endpoint("example.test").api_key == KEY
+    with HistoryStore(tmp_path / "history.sqlite3") as store:
+        assert store.get_session(old.id).backend.api_key is None
+    assert KEY.encode() not in _raw_history(tmp_path)  # not left behind anywhere in the files

@@ -188,6 +188,7 @@ class HistoryStore:
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
             conn.execute("PRAGMA foreign_keys = ON")
+            conn.execute("PRAGMA secure_delete = ON")  # deleted chats and cleared keys are overwritten
             # Check the version before anything writes to the file (even
             # switching to WAL does), so a newer file is never modified.
             found = conn.execute("PRAGMA user_version").fetchone()[0]

@@ -30,6 +30,7 @@ from chatapp.history import Backend, HistoryError, HistoryOpenError, HistoryStor
 from chatapp.logs import tui_log_path
 from chatapp.settings import SettingsError, load_or_default, save
 from chatapp.tui import keymap, ui_state
+from chatapp.tui.api_keys import move_key_to_settings
 from chatapp.tui.conversation import Conversation
 from chatapp.tui.downloads import PullCancelled, PullJob
 from chatapp.tui.engine_link import EngineFactory, LocalEngine
@@ -183,7 +184,32 @@ class ChatApp(App[None]):
     def _load_session(self, session: Session) -> tuple[SessionConfig, Conversation]:
         assert self.store is not None
         data = self.store.export_dict(session.id, include_secrets=True)
-        return SessionConfig.from_session(session), Conversation.from_export(data)
+        config = SessionConfig.from_session(session)
+        if config.backend.api_key:  # saved by an earlier version: the key moves to the settings file
+            config = self.file_api_key(config)
+            if not config.backend.api_key:
+                self.recorder.update_session(config.db_id, backend=config.backend)
+        return config, Conversation.from_export(data)
+
+    def file_api_key(self, config: SessionConfig) -> SessionConfig:
+        """A remote session's key goes into the settings file (an endpoint there), out of the history."""
+        moved = move_key_to_settings(self.settings, config.backend)
+        if moved is None:
+            return config
+        settings, backend = moved
+        if settings is not self.settings:
+            try:
+                save(settings, self.settings_path)
+            except SettingsError as exc:
+                self.notify(
+                    f"{exc}\nThe API key is kept for this run only (never in the chat history).",
+                    title="Could not save the API key",
+                    severity="error",
+                    timeout=15,
+                )
+                return config
+            self.settings = settings
+        return config.copy(backend=backend)
 
     @work(group="engine", exclusive=True, exit_on_error=False)
     async def _start_engine(self) -> None:

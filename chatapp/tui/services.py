@@ -48,6 +48,9 @@ class MainScreenServices(ChatServices, Protocol):
     def export_session(self, config: SessionConfig) -> list[Path]:
         """Write a session to Markdown and JSON files; the paths written."""
 
+    def file_api_key(self, config: SessionConfig) -> SessionConfig:
+        """The session with its remote API key moved into the settings file (out of the history)."""
+
     async def local_model_names(self) -> list[str]:
         """The runnable models on this machine, by the names panes use them by."""
 

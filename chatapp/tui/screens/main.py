@@ -15,6 +15,7 @@ from textual.screen import Screen
 from textual.widgets import Tab, Tabs
 
 from chatapp.tui import keymap
+from chatapp.tui.api_keys import without_key
 from chatapp.tui.code_blocks import code_blocks
 from chatapp.tui.conversation import Conversation
 from chatapp.tui.screens.compare import CompareScreen
@@ -219,6 +220,7 @@ class MainScreen(Screen[None]):
         )
         if new is None:
             return
+        new = self.services.file_api_key(new)
         pane.config = new
         self.services.recorder.update_session(
             new.db_id,
@@ -226,7 +228,7 @@ class MainScreen(Screen[None]):
             model=new.model,
             system_prompt=new.system_prompt,
             sampling=new.sampling,
-            backend=new.backend,
+            backend=without_key(new.backend),  # a key that could not be filed stays in memory only
         )
         pane.update_titles()
 

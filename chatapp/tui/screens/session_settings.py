@@ -69,7 +69,7 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
                     )
                     yield Label("Base URL, e.g. http://127.0.0.1:11434/v1")
                     yield Input(b.base_url or "", id="base-url")
-                    yield Label("API key (kept in the history file; prefer an endpoint in settings)")
+                    yield Label("API key (saved as an endpoint in the settings file, never in the chat history)")
                     yield Input(b.api_key or "", password=True, id="api-key")
                     yield Label("Model name on that server")
                     yield Input(c.model or "", id="model")
