@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatapp.engine.api import EngineDeadError, EngineStats, ModelInfo
+from chatapp.engine.api import EngineDeadError, EngineStats, InvalidRequestError, ModelInfo, context_length_error
 from chatapp.engine.output_processor import OutputDelta
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.tui.model_catalog import HubEntry, LocalEntry, Progress, PullSize
@@ -77,6 +77,12 @@ class FakeClient:
     switched_to: list[str | None] = field(default_factory=list)
     loaded: dict[str, ModelInfo] = field(default_factory=dict)
     """Models loaded beside the default one (through bind(...).ready())."""
+    refused: list[Any] = field(default_factory=list)
+    max_messages: int | None = None
+    """A prompt of more messages than this is refused as over the context (as the engine refuses one
+    of more tokens than its context)."""
+    summary_reply: str = "They talked about planets."
+    summary_requests: list[Any] = field(default_factory=list)
 
     def reply_for(self, messages: list[dict[str, Any]]) -> str:
         return self.reply
@@ -105,6 +111,16 @@ class FakeClient:
             yield OutputDelta(rid, self.title_reply, [1], None, False, None, None, 10, 1, 0)
             yield OutputDelta(rid, "", [], None, True, "stop", None, 10, 1, 0)
             return
+        if "-summary-" in rid:  # the pane summarising old turns to fit the context
+            self.summary_requests.append(messages)
+            if self.max_messages is not None and len(messages[0]["content"]) > 2000:
+                raise InvalidRequestError(context_length_error(2048, 4000, None), "messages")
+            yield OutputDelta(rid, self.summary_reply, [1], None, False, None, None, 10, 1, 0)
+            yield OutputDelta(rid, "", [], None, True, "stop", None, 10, 1, 0)
+            return
+        if self.max_messages is not None and messages is not None and len(messages) > self.max_messages:
+            self.refused.append(messages)
+            raise InvalidRequestError(context_length_error(2048, 3000 + len(messages), 32), "messages")
         self.requests.append(
             {
                 "messages": messages,
