@@ -295,7 +295,9 @@ async def test_keys_can_be_remapped_in_the_settings_file(tmp_path: Path) -> None
         await pilot.press("f12")
         await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "help on F12")
         rows = [app.screen.query_one(DataTable).get_row_at(i) for i in range(app.screen.query_one(DataTable).row_count)]
-        assert ["F11", "Regenerate the last answer (a new branch)", "regenerate"] in [list(r) for r in rows]
+        assert ["F11", "Regenerate the selected (else the last) answer (a new branch)", "regenerate"] in [
+            list(r) for r in rows
+        ]
 
 
 async def test_command_palette_offers_the_same_actions(tmp_path: Path) -> None:

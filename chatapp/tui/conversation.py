@@ -155,6 +155,28 @@ class Conversation:
         self.leaf = self.newest_leaf(sibs[index])
         return sibs[index]
 
+    def remove(self, node: Node) -> int:
+        """Take ``node`` and every reply under it out of the tree; the number of messages removed.
+
+        If the shown leaf went with it, the branch shown ends at the node's parent (or, for a first
+        message, at the newest leaf of another first message)."""
+        sibs = self.siblings(node)
+        sibs.remove(node)
+        gone, stack = 0, [node]
+        while stack:
+            current = stack.pop()
+            gone += 1
+            stack.extend(current.children)
+        leaf = self.leaf
+        while leaf is not None and leaf is not node:
+            leaf = leaf.parent
+        if leaf is node:  # the shown branch ran through it
+            if node.parent is not None:
+                self.leaf = node.parent
+            else:
+                self.leaf = self.newest_leaf(self.roots[-1]) if self.roots else None
+        return gone
+
     def chat_messages(self, system_prompt: str, upto: Node | None) -> list[dict[str, str]]:
         """OpenAI-style messages for the path ending at ``upto`` (the prompt of a new answer)."""
         chain: list[Node] = []

@@ -52,13 +52,44 @@ ACTIONS: tuple[Action, ...] = (
     Action("next_session", "next_session", "Focus the next session", "ctrl+pagedown,f6", "chat"),
     Action("previous_session", "previous_session", "Focus the previous session", "ctrl+pageup,shift+f6", "chat"),
     Action("stop", "stop", "Stop the answer being generated", "escape", "chat"),
-    Action("regenerate", "regenerate", "Regenerate the last answer (a new branch)", "alt+r", "chat"),
-    Action("edit_message", "edit_message", "Edit and resend your last message (a new branch)", "alt+e", "chat"),
+    Action(
+        "previous_message",
+        "previous_message",
+        "Message cursor up: the message actions act on the selected message (a click selects too)",
+        "alt+up",
+        "chat",
+    ),
+    Action("next_message", "next_message", "Message cursor down (past the last: off)", "alt+down", "chat"),
+    Action(
+        "regenerate", "regenerate", "Regenerate the selected (else the last) answer (a new branch)", "alt+r", "chat"
+    ),
+    Action(
+        "edit_message",
+        "edit_message",
+        "Edit and resend the selected (else your last) message (a new branch)",
+        "alt+e",
+        "chat",
+    ),
+    Action(
+        "delete_message",
+        "delete_message",
+        "Delete the selected (else the last) message and its replies",
+        "alt+x",
+        "chat",
+    ),
     Action("continue_answer", "continue_answer", "Continue an answer that stopped at the token limit", "alt+n", "chat"),
-    Action("previous_branch", "previous_branch", "Show the previous branch of a turn", "alt+left", "chat"),
-    Action("next_branch", "next_branch", "Show the next branch of a turn", "alt+right", "chat"),
-    Action("copy_answer", "copy_answer", "Copy the last answer to the clipboard", "ctrl+o", "chat"),
-    Action("copy_code", "copy_code", "Copy the last code block of the last answer", "alt+c", "chat"),
+    Action(
+        "previous_branch", "previous_branch", "Previous branch of the selected (else the last) turn", "alt+left", "chat"
+    ),
+    Action("next_branch", "next_branch", "Next branch of the selected (else the last) turn", "alt+right", "chat"),
+    Action("copy_answer", "copy_answer", "Copy the selected message (else the last answer)", "ctrl+o", "chat"),
+    Action(
+        "copy_code",
+        "copy_code",
+        "Copy a code block of the selected (else last) answer; again: the next",
+        "alt+c",
+        "chat",
+    ),
     Action("export", "export", "Export the focused session to Markdown and JSON", "ctrl+s", "chat"),
     Action(
         "compare_mark",

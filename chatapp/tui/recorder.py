@@ -65,6 +65,11 @@ class Recorder:
         if self.store is not None and node.db_id is not None:
             self._call(self.store.reopen_answer, node.db_id)
 
+    def delete_message(self, node: Node) -> None:
+        """Delete a saved message and its replies (a whole branch)."""
+        if self.store is not None and node.db_id is not None:
+            self._call(self.store.delete_message, node.db_id)
+
     def delete_session(self, session_id: int | None) -> None:
         if self.store is not None and session_id is not None:
             self._call(self.store.delete_session, session_id)

@@ -16,7 +16,6 @@ from textual.widgets import Tab, Tabs
 
 from chatapp.tui import keymap
 from chatapp.tui.api_keys import without_key
-from chatapp.tui.code_blocks import code_blocks
 from chatapp.tui.conversation import Conversation
 from chatapp.tui.screens.compare import CompareScreen
 from chatapp.tui.screens.confirm import ConfirmScreen
@@ -240,8 +239,20 @@ class MainScreen(Screen[None]):
 
     def action_stop(self) -> None:
         pane = self.active_pane
-        if pane is not None and not pane.stop():
-            pane.cancel_edit()
+        if pane is not None and not pane.stop() and not pane.cancel_edit():
+            pane.select(None)  # Esc also takes the message cursor off
+
+    def action_previous_message(self) -> None:
+        if (pane := self.active_pane) is not None:
+            pane.move_selection(-1)
+
+    def action_next_message(self) -> None:
+        if (pane := self.active_pane) is not None:
+            pane.move_selection(+1)
+
+    def action_delete_message(self) -> None:
+        if (pane := self.active_pane) is not None:
+            pane.delete_message()
 
     async def action_regenerate(self) -> None:
         if (pane := self.active_pane) is not None:
@@ -265,22 +276,25 @@ class MainScreen(Screen[None]):
 
     def action_copy_answer(self) -> None:
         pane = self.active_pane
-        answer = pane.conversation.last("assistant") if pane is not None else None
-        if answer is None or not answer.content:
+        node = None
+        if pane is not None:
+            node = pane.selected or pane.conversation.last("assistant")
+        if node is None or not node.content:
             self.notify("There is no answer to copy yet.", severity="warning")
             return
-        self.app.copy_to_clipboard(answer.content)
-        self.notify(f"Copied the answer ({len(answer.content)} characters).")
+        self.app.copy_to_clipboard(node.content)
+        what = "the answer" if node.role == "assistant" else "your message"
+        self.notify(f"Copied {what} ({len(node.content)} characters).")
 
     def action_copy_code(self) -> None:
         pane = self.active_pane
-        answer = pane.conversation.last("assistant") if pane is not None else None
-        blocks = code_blocks(answer.content) if answer is not None else []
-        if not blocks:
-            self.notify("The last answer has no code block.", severity="warning")
+        found = pane.next_code_block() if pane is not None else None
+        if found is None:
+            self.notify("That message has no code block.", severity="warning")
             return
-        self.app.copy_to_clipboard(blocks[-1])
-        self.notify(f"Copied the code block ({len(blocks[-1].splitlines())} lines).")
+        code, number, count = found
+        self.app.copy_to_clipboard(code)
+        self.notify(f"Copied code block {number} of {count} ({len(code.splitlines())} lines).")
 
     # -- compare mode ---------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ from chatapp.engine.reasoning import ReasoningSplitter
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.history import Metrics
 from chatapp.tui import titles
+from chatapp.tui.code_blocks import code_blocks
 from chatapp.tui.context_fit import ContextFit, can_drop, dropped_part, fit_messages, is_context_error, summary_request
 from chatapp.tui.conversation import Conversation, Node
 from chatapp.tui.session_config import SessionConfig, SessionConfigError
@@ -73,6 +74,15 @@ async def _close(gen: AsyncIterator[OutputDelta]) -> None:
     aclose = getattr(gen, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+def _subtree(node: Node) -> list[Node]:
+    out, stack = [], [node]
+    while stack:
+        current = stack.pop()
+        out.append(current)
+        stack.extend(current.children)
+    return out
 
 
 def model_label(spec: str) -> str:
@@ -130,6 +140,9 @@ class ChatPane(Vertical):
         self._draft_timer: Timer | None = None
         self._typed = config.draft  # the prompt's text as of its last change (kept here for on_unmount)
         self._before_continue: tuple[str, bool, Metrics | None, int] | None = None
+        self.selected: Node | None = None
+        """The message cursor: the message the message actions act on (None: the last one of its kind)."""
+        self._code_copied: tuple[Node, int] | None = None  # the code block Alt+C copied last
         self.context_fit: ContextFit | None = None
         """Set once the chat outgrew the context: how its prompts leave old turns out (context_fit.py)."""
         self._context_full: str | None = None  # the context error of the answer just ended
@@ -212,13 +225,19 @@ class ChatPane(Vertical):
     async def show_path(self) -> None:
         """Rebuild the message views for the shown branch (not per token: on send, switch, load)."""
         log = self.log_view
-        views = [MessageView(node, self.conversation.branch(node)) for node in self.conversation.path()]
+        path = self.conversation.path()
+        if self.selected is not None and self.selected not in path:
+            self.selected = None
+        views = [MessageView(node, self.conversation.branch(node)) for node in path]
+        for view in views:
+            view.set_class(view.node is self.selected, "selected")
         async with self.batch():
             await log.remove_children()
             await log.mount_all(views)
         last = self.conversation.last("assistant")
         self.rate = last.metrics.tokens_per_second if last and last.metrics else None
-        log.scroll_end(animate=False)
+        if self.selected is None:
+            log.scroll_end(animate=False)
         self.update_titles()  # the context used follows the branch shown
 
     def notice(self, text: str) -> None:
@@ -245,6 +264,79 @@ class ChatPane(Vertical):
 
     def watch_editing(self, node: Node | None) -> None:
         self.notice("Editing your message: Enter sends it as a new branch, Esc cancels." if node else "")
+
+    # -- the message cursor ------------------------------------------------------------------------
+
+    def select(self, node: Node | None) -> None:
+        """Put the message cursor on ``node`` (None: off; the actions then take the last message)."""
+        self.selected = node
+        self._code_copied = None
+        for view in self.log_view.query(MessageView):
+            view.set_class(view.node is node, "selected")
+            if view.node is node:
+                self.log_view.scroll_to_widget(view, animate=False)
+
+    def move_selection(self, step: int) -> None:
+        """The cursor to the previous (-1) or next (+1) message; from none, up starts at the last one."""
+        path = self.conversation.path()
+        if not path:
+            return
+        if self.selected is None or self.selected not in path:
+            index = len(path) - 1 if step < 0 else None
+        else:
+            index = path.index(self.selected) + step
+            index = index if 0 <= index < len(path) else None if index >= len(path) else 0
+        self.select(path[index] if index is not None else None)
+
+    def target(self, role: str | None = None) -> Node | None:
+        """What a message action acts on: the selected message (for a role, the nearest of that role at
+        or above it), else the last message of that role."""
+        node = self.selected
+        if node is None:
+            return self.conversation.last(role) if role else self.conversation.leaf
+        while role is not None and node is not None and node.role != role:
+            node = node.parent
+        return node
+
+    async def on_message_view_clicked(self, event: MessageView.Clicked) -> None:
+        event.stop()
+        self.select(event.view.node)
+        if event.branch_step is not None:
+            await self.switch_branch(event.branch_step)
+
+    def next_code_block(self) -> tuple[str, int, int] | None:
+        """The next code block of the target message to copy: (code, its number, how many); repeated
+        presses go through them one by one."""
+        node = self.target("assistant") if self.selected is None else self.selected
+        blocks = code_blocks(node.content) if node is not None else []
+        if node is None or not blocks:
+            return None
+        last = self._code_copied
+        number = last[1] % len(blocks) + 1 if last is not None and last[0] is node else 1
+        self._code_copied = (node, number)
+        return blocks[number - 1], number, len(blocks)
+
+    @work(group="delete-message", exclusive=True, exit_on_error=False)
+    async def delete_message(self) -> None:
+        """Delete the target message and every reply under it, after asking (Enter means no)."""
+        from chatapp.tui.screens.confirm import ConfirmScreen
+
+        if self.busy:
+            self.app.notify("Stop the current answer first (Esc).", severity="warning")
+            return
+        node = self.target()
+        if node is None:
+            self.app.notify("There is no message to delete.", severity="warning")
+            return
+        below = sum(1 for _ in _subtree(node)) - 1
+        what = "this message" + (f" and the {below} message(s) after it (every branch)" if below else "")
+        if not await self.app.push_screen_wait(ConfirmScreen(f"Delete {what}?", yes="Delete", focus_yes=False)):
+            return
+        self.conversation.remove(node)
+        self.services.recorder.delete_message(node)
+        self.services.recorder.select_leaf(self.config.db_id, self.conversation.leaf)
+        self.selected = None
+        await self.show_path()
 
     # -- user actions (called by the main screen) -------------------------------------------------
 
@@ -284,11 +376,11 @@ class ChatPane(Vertical):
         return True
 
     async def regenerate(self) -> None:
-        """A new answer to the last question, as a sibling of the old one."""
+        """A new answer to the selected (else the last) question, as a sibling of the old one."""
         if self.busy:
             self.app.notify("Stop the current answer first (Esc).", severity="warning")
             return
-        leaf = self.conversation.leaf
+        leaf = self.selected or self.conversation.leaf
         question = leaf.parent if leaf is not None and leaf.role == "assistant" else leaf
         if question is None or question.role != "user":
             self.app.notify("There is no answer to regenerate yet.", severity="warning")
@@ -300,10 +392,11 @@ class ChatPane(Vertical):
         if self.busy:
             self.app.notify("Stop the current answer first (Esc).", severity="warning")
             return
-        node = self.conversation.last("user")
+        node = self.target("user")
         if node is None:
             self.app.notify("There is no message of yours to edit.", severity="warning")
             return
+        self.select(None)
         if self.editing is None:
             self.save_draft()  # what was typed comes back when the edit is sent or cancelled
         self.editing = node
@@ -328,12 +421,17 @@ class ChatPane(Vertical):
         if self.busy:
             self.app.notify("Stop the current answer first (Esc).", severity="warning")
             return
-        point = self.conversation.branch_point()
+        selected = self.selected
+        point = selected if selected is not None and len(self.conversation.siblings(selected)) > 1 else None
+        point = point or self.conversation.branch_point()
         if point is None:
             self.app.notify("This conversation has no other branches.", severity="information")
             return
-        if self.conversation.switch(point, step) is None:
+        shown = self.conversation.switch(point, step)
+        if shown is None:
             return
+        if selected is point:
+            self.selected = shown  # the cursor stays on the turn, now on its other branch
         self.services.recorder.select_leaf(self.config.db_id, self.conversation.leaf)
         await self.show_path()
 

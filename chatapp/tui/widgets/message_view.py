@@ -8,13 +8,17 @@ small widget, not the Markdown, and the last block takes its formatting as soon 
 
 from __future__ import annotations
 
+from rich.style import Style
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.await_complete import AwaitComplete
 from textual.containers import Vertical
+from textual.message import Message
 from textual.widgets import Collapsible, Markdown, Static
 
 from chatapp.engine.reasoning import split_reasoning
+from chatapp.tui.code_blocks import code_blocks
 from chatapp.tui.conversation import Branch, Node
 from chatapp.tui.markdown_tail import settled_length
 
@@ -23,6 +27,15 @@ _STATUS_LABELS = {"streaming": "writing…", "incomplete": "incomplete", "error"
 
 class MessageView(Vertical):
     """Renders a :class:`Node`; the pane streams into :attr:`body` while an answer is written."""
+
+    class Clicked(Message):
+        """The message was clicked: the pane's message cursor moves to it (``branch_step``: the click was
+        on the ‹ or › of its branch counter, -1 or +1)."""
+
+        def __init__(self, view: MessageView, branch_step: int | None) -> None:
+            super().__init__()
+            self.view = view
+            self.branch_step = branch_step
 
     def __init__(self, node: Node, branch: Branch) -> None:
         super().__init__(classes=f"message {node.role} status-{node.status}" + (" truncated" if node.truncated else ""))
@@ -123,8 +136,11 @@ class MessageView(Vertical):
         text = Text(who, style="bold")
         # What the user acts on first (the branch, an unfinished answer), the model's name last: a
         # narrow pane wraps the line rather than losing "incomplete" or "‹ 1/2 ›".
-        if self.branch.count > 1:
-            text.append(f"  ‹ {self.branch.index + 1}/{self.branch.count} ›", style="bold")
+        if self.branch.count > 1:  # the arrows are clickable (their style carries the step)
+            text.append("  ")
+            text.append("‹", style=Style(bold=True, meta={"branch_step": -1}))
+            text.append(f" {self.branch.index + 1}/{self.branch.count} ", style="bold")
+            text.append("›", style=Style(bold=True, meta={"branch_step": 1}))
         label = _STATUS_LABELS.get(node.status)
         if label:
             text.append(f"  {label}", style="italic")
@@ -138,7 +154,15 @@ class MessageView(Vertical):
         node = self.node
         if node.status == "error" and node.error:
             return Text(f"⚠ {node.error}", style="bold")
-        return Text(node.metrics.describe() if node.metrics else "", style="dim")
+        text = Text(node.metrics.describe() if node.metrics else "", style="dim")
+        blocks = len(code_blocks(node.content)) if node.status != "streaming" else 0
+        if blocks > 1:  # Alt+C copies them one by one, in this order
+            text.append(f"{' · ' if text else ''}{blocks} code blocks", style="dim")
+        return text
+
+    def on_click(self, event: events.Click) -> None:
+        step = event.style.meta.get("branch_step") if event.style else None
+        self.post_message(self.Clicked(self, step if isinstance(step, int) else None))
 
     def refresh_meta(self) -> None:
         """Redraw the header and footer after the node's status, branch or metrics changed."""
