@@ -187,6 +187,17 @@ async def test_the_status_bar_shows_the_engines_whole_loading_line(tmp_path: Pat
         assert detail in shown and len(shown) <= 120, shown
 
 
+async def test_the_status_bar_keeps_the_api_url_and_the_history_warning_while_loading(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=(160, 30)):
+        bar = main_screen(app).query_one(StatusBar)
+        bar.server_url, bar.history_failing = "http://127.0.0.1:8123", True
+        bar.engine = EngineSnapshot("loading", model="FakeLM-1M", detail="reading weights 3/30")
+        shown = bar.render().plain
+        assert "reading weights 3/30" in shown and "API http://127.0.0.1:8123/v1" in shown, shown
+        assert "history not saved" in shown
+
+
 def _prompt_keys() -> set[str]:
     from textual.widgets import TextArea
 

@@ -43,6 +43,10 @@ class StatusBar(Widget):
             # The whole line of what the engine is doing (compiling kernels, reading weights): while it
             # loads, this is the news, so it stands alone rather than being cut to fit the figures.
             text.append(f" {e.detail}", style="italic")
+            if self.server_url:  # what stays true while it loads: the port is open, the history failing
+                text.append(f"  │ API {self.server_url}/v1")
+            if self.history_failing:
+                text.append("  ⚠ history not saved", style="bold red")
             text.append(f"  {self.help_key} help", style="dim")
             return text
         parts = [e.model or "no model"]
