@@ -236,7 +236,19 @@ async def test_compare_mode_on_two_models_of_the_one_engine(
             main_screen(app).focus_pane(i)
             await pilot.press("alt+m")
         await send(pilot, first, PROMPTS[0])
-        await wait_for(pilot, lambda: answered(first) and answered(second), "both answers", steps=3000)
+        try:
+            await wait_for(pilot, lambda: answered(first) and answered(second), "both answers", steps=3000)
+        except AssertionError as exc:  # say where each pane stands
+            state = [
+                (
+                    p.busy,
+                    p.compare,
+                    p.config.model,
+                    [(n.role, n.status, n.content[:30], n.error) for n in p.conversation.path()],
+                )
+                for p in (first, second)
+            ]
+            raise AssertionError(f"{exc}; engine {app.engine.state}; panes {state}") from None
         assert first.conversation.leaf.content == reference[PROMPTS[0]]
         assert second.conversation.leaf.content == expected_tiny != reference[PROMPTS[0]]
         ids = (first.config.db_id, second.config.db_id)
