@@ -28,7 +28,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from chatapp.engine.api import EngineBusyError, EngineStats, ErrorKind, ModelInf
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
 from chatapp.engine.memory import return_freed_memory
+from chatapp.engine.model_loader import ModelLoader, model_info, precheck_model
 from chatapp.engine.model_pool import (
     GIB,
     MemoryBudget,
@@ -52,7 +52,6 @@ from chatapp.engine.model_pool import (
 )
 from chatapp.engine.outputs import EngineCoreOutput, FinishReason
 from chatapp.engine.stream_buffer import StreamBuffer
-from chatapp.engine.tokenizer import prepare_tokenizer_files
 
 log = logging.getLogger("chatapp.engine.process")
 
@@ -68,82 +67,6 @@ class _Client:
     proc: psutil.Process | None
     last_seen: float = field(default_factory=time.monotonic)
     requests: set[str] = field(default_factory=set)  # core-side request ids
-
-
-class _Loader(threading.Thread):
-    """Builds an EngineCore off the loop thread, so clients are answered (and other models step) meanwhile."""
-
-    def __init__(self, config: EngineConfig, slot: ModelSlot, budget: MemoryBudget | None = None) -> None:
-        super().__init__(name="engine-loader", daemon=True)
-        self.config = config
-        self.slot = slot
-        self.budget = budget  # checked here first (the default model: nothing else is loaded then)
-        self.core: EngineCore | None = None
-        self.error: BaseException | None = None
-        self.detail = f"loading {config.model or 'the bundled model'}"
-        self._handler = _ProgressHandler(self)
-
-    def run(self) -> None:
-        logging.getLogger("chatapp").addHandler(self._handler)
-        try:
-            if self.budget is not None:
-                self.config = fit_default_model(self.config, self.budget)
-            core = EngineCore(self.config)
-            # Built once per GGUF file (transformers, here where torch is loaded anyway), so the
-            # clients that attach load only tokenizer.json and the template.
-            prepare_tokenizer_files(core.model.path)
-            self.core = core
-        except BaseException as exc:  # reported to the clients by the loop, never lost
-            log.exception("loading the model failed")
-            self.error = exc
-        finally:
-            logging.getLogger("chatapp").removeHandler(self._handler)
-
-
-class _ProgressHandler(logging.Handler):
-    """Turns the loader's own log lines into the progress text clients show."""
-
-    def __init__(self, loader: _Loader) -> None:
-        super().__init__(logging.INFO)
-        self.loader = loader
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.thread == self.loader.ident:
-            self.loader.detail = record.getMessage()
-
-
-def fit_default_model(config: EngineConfig, budget: MemoryBudget) -> EngineConfig:
-    """The default model's config under the memory budget: refused with the figures when it cannot fit,
-    its KV pool held to the room its weights leave."""
-    from chatapp.engine.model_ref import resolve_model_spec
-
-    if budget.budget_bytes is None:
-        return config
-    weights = estimate_weight_bytes(resolve_model_spec(config.model).path)
-    user_cap = int(config.kv_cache_memory_gib * GIB) if config.kv_cache_memory_gib is not None else None
-    plan = budget.plan(weights, [], user_cap)
-    assert plan is not None  # nothing else is loaded, so nothing can hold the room
-    if plan.kv_cap_bytes is None or config.num_kv_blocks is not None:
-        return config
-    return dataclasses.replace(config, kv_cache_memory_gib=plan.kv_cap_bytes / GIB)
-
-
-def model_info(core: EngineCore) -> ModelInfo:
-    cfg, mc = core.config, core.model_config
-    return ModelInfo(
-        name=core.model.name,
-        path=str(core.model.path),
-        architecture=mc.architecture,
-        max_model_len=core.max_model_len,
-        vocab_size=mc.vocab_size,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        attention_backend=cfg.attention_backend,
-        quantization=cfg.quantization,
-        block_size=cfg.block_size,
-        num_kv_blocks=core.kv.num_blocks,
-        load_seconds=round(core.load_seconds, 3),
-    )
 
 
 class EngineServer:
@@ -174,7 +97,7 @@ class EngineServer:
         self.budget = MemoryBudget(config.memory_gib, config.max_loaded_models)
         self.slots: dict[str, ModelSlot] = {}  # normalised spec -> slot, the default model's included
         self.default: ModelSlot = self._new_slot(self.record.model, pinned=True)
-        self.loader: _Loader | None = None  # one model loads at a time
+        self.loader: ModelLoader | None = None  # one model loads at a time
         self.state = "loading"  # of the default model: then "ready", or "failed" when it could not load
         self.detail = "starting"
         self.failed_kind: ErrorKind | None = None
@@ -602,7 +525,7 @@ class EngineServer:
 
     def _queue_model(self, spec: str) -> ModelSlot:
         """A slot for a model to load on demand (ValueError for one that does not exist or cannot fit)."""
-        _precheck_model(spec)
+        precheck_model(spec)
         slot = self._new_slot(spec, pinned=False)
         slot.detail = "waiting to load"
         self._broadcast(ipc.ModelState(spec, "queued", slot.detail))
@@ -724,7 +647,7 @@ class EngineServer:
 
     def _start_loader(self, slot: ModelSlot, config: EngineConfig, budget: MemoryBudget | None = None) -> None:
         slot.state = "loading"
-        self.loader = _Loader(config, slot, budget)
+        self.loader = ModelLoader(config, slot, budget)
         slot.detail = self.loader.detail
         if slot is not self.default:
             self._broadcast(ipc.ModelState(slot.spec, "loading", slot.detail))
@@ -755,7 +678,7 @@ class EngineServer:
             return
         self._finish_default(loader)
 
-    def _finish_default(self, loader: _Loader) -> None:
+    def _finish_default(self, loader: ModelLoader) -> None:
         """Install the loaded default model, or fall back to the previous one, or go to "failed".
 
         A failed engine stays until a client has heard why (the spawner may not have said hello yet).
@@ -814,7 +737,7 @@ class EngineServer:
             )
             return
         try:
-            _precheck_model(msg.model)
+            precheck_model(msg.model)
         except ValueError as exc:
             self._send(identity, ipc.Reply(msg.call_id, error=str(exc), error_kind=ErrorKind.INVALID))
             return
@@ -837,18 +760,6 @@ class EngineServer:
             return
         self._switch_reply = (identity, msg.call_id)
         self._start_loading(new_config)
-
-
-def _precheck_model(spec: str | None) -> None:
-    """Fail fast on a model that does not exist, before running requests are ended for it.
-
-    GGUF files (the bundled model too) are left to the loader, which reports a bad file clearly.
-    """
-    from chatapp.engine.model_ref import resolve_model_spec
-
-    if spec is None or spec in ("default",) or spec.endswith(".gguf"):
-        return
-    resolve_model_spec(spec)
 
 
 def _alive(proc: psutil.Process) -> bool:
