@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from textual import work
@@ -30,15 +28,14 @@ from textual.timer import Timer
 from textual.widgets import Static, TextArea
 from textual.worker import Worker
 
-from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, InvalidRequestError
-from chatapp.engine.output_processor import OutputDelta
+from chatapp.engine.api import EngineDeadError, EngineError, InvalidRequestError
 from chatapp.engine.reasoning import ReasoningSplitter
-from chatapp.engine.sampling_params import SamplingParams
 from chatapp.history import Metrics
 from chatapp.tui import titles
 from chatapp.tui.code_blocks import code_blocks
-from chatapp.tui.context_fit import ContextFit, can_drop, dropped_part, fit_messages, is_context_error, summary_request
+from chatapp.tui.context_fit import ContextFit, is_context_error
 from chatapp.tui.conversation import Conversation, Node
+from chatapp.tui.fitted_stream import chained, open_stream
 from chatapp.tui.session_config import SessionConfig, SessionConfigError
 from chatapp.tui.stream_clock import clock_for
 from chatapp.tui.widgets.message_view import MessageView
@@ -56,24 +53,6 @@ DRAFT_SAVE_S = 1.0
 RATE_MIN_S = 0.05
 """Shortest span a tokens-per-second figure is taken over: a rate over a few tokens in a millisecond
 (a stream cut off at once, the engine dying) is noise, not speed."""
-
-
-SUMMARY_TOKENS = 256
-"""The longest summary of old turns the model is asked for."""
-
-
-async def _chained(first: OutputDelta | None, rest: AsyncIterator[OutputDelta]) -> AsyncIterator[OutputDelta]:
-    """``first`` (already read from ``rest``), then the rest of the stream."""
-    if first is not None:
-        yield first
-    async for delta in rest:
-        yield delta
-
-
-async def _close(gen: AsyncIterator[OutputDelta]) -> None:
-    aclose = getattr(gen, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 def _subtree(node: Node) -> list[Node]:
@@ -507,9 +486,9 @@ class ChatPane(Vertical):
             if continuing:
                 messages.append({"role": "assistant", "content": answer.content})
             request_id = f"tui-{_RUN}-{answer.key}" + (f"-{len(answer.content)}" if continuing else "")
-            gen, first = await self._open_stream(client, messages, params, request_id, continuing)
+            gen, first = await open_stream(self, client, messages, params, request_id, continuing)
             try:
-                async for delta in _chained(first, gen):
+                async for delta in chained(first, gen):
                     n_prompt, n_out = delta.num_prompt_tokens, delta.num_output_tokens
                     self._n_out = n_out
                     if delta.text:
@@ -537,62 +516,6 @@ class ChatPane(Vertical):
         finally:
             clock.leave(self)
             await self._end_stream(answer, view, finish, error, started, n_prompt, n_out)
-
-    async def _open_stream(
-        self,
-        client: EngineClient,
-        messages: list[dict[str, str]],
-        params: SamplingParams,
-        request_id: str,
-        continuing: bool,
-    ) -> tuple[AsyncIterator[OutputDelta], OutputDelta | None]:
-        """The answer's stream and its first delta. Under a context fit (context_fit.py), a prompt still
-        over the context leaves one more old exchange out (summarising them anew) and tries again."""
-        while True:
-            fit = self.context_fit
-            if fit is not None and fit.mode == "summarise" and fit.dropped and not fit.summary:
-                summary = await self._summarise(client, dropped_part(messages, fit.dropped), request_id)
-                fit = self.context_fit = replace(fit, summary=summary)
-            gen = client.generate(
-                messages=fit_messages(messages, fit),
-                params=params,
-                request_id=request_id,
-                continue_final_message=continuing,
-            )
-            try:
-                first = await anext(gen)
-            except StopAsyncIteration:
-                return gen, None
-            except InvalidRequestError as exc:
-                await _close(gen)
-                if fit is None or not is_context_error(exc) or not can_drop(messages, fit.dropped):
-                    raise
-                self.context_fit = fit.more()
-                continue
-            if fit is not None and fit.dropped:
-                how = "summarised" if fit.mode == "summarise" else "left out"
-                self.notice(f"The {fit.dropped} oldest exchange(s) are {how} to fit the model's context.")
-            return gen, first
-
-    async def _summarise(self, client: EngineClient, part: list[dict[str, str]], request_id: str) -> str:
-        """The model's summary of ``part``; when even that is too long, of its latest messages that fit."""
-        self.notice(f"Summarising {len(part)} old message(s) to fit the model's context…")
-        params = SamplingParams(temperature=0, max_tokens=SUMMARY_TOKENS)
-        for start in range(len(part)):
-            gen = client.generate(
-                messages=summary_request(part[start:]), params=params, request_id=f"{request_id}-summary-{start}"
-            )
-            text: list[str] = []
-            try:
-                async for delta in gen:
-                    text.append(delta.text)
-                return "".join(text).strip()
-            except InvalidRequestError as exc:
-                if not is_context_error(exc):
-                    raise
-            finally:
-                await _close(gen)
-        return ""
 
     @work(group="context-fit", exclusive=True, exit_on_error=False)
     async def _offer_context_fit(self, answer: Node, detail: str) -> None:
