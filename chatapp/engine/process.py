@@ -244,9 +244,8 @@ class EngineServer:
             case ipc.AddRequest():
                 self._add_request(client, msg)
             case ipc.AbortRequests():
-                self._abort(
-                    [f"{client.tag}/{rid}" for rid in msg.request_ids if f"{client.tag}/{rid}" in client.requests]
-                )
+                mine = {f"{client.tag}/{rid}" for rid in msg.request_ids}  # a client aborts its own only
+                self._abort(list(mine & client.requests))
                 self._abort_queued(client.identity, set(msg.request_ids))
             case ipc.StatsCall():
                 self._call(identity, msg.call_id, self._stats)

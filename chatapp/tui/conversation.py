@@ -155,18 +155,23 @@ class Conversation:
         self.leaf = self.newest_leaf(sibs[index])
         return sibs[index]
 
+    @staticmethod
+    def subtree(node: Node) -> list[Node]:
+        """``node`` and every reply under it, in every branch."""
+        out, stack = [], [node]
+        while stack:
+            current = stack.pop()
+            out.append(current)
+            stack.extend(current.children)
+        return out
+
     def remove(self, node: Node) -> int:
         """Take ``node`` and every reply under it out of the tree; the number of messages removed.
 
         If the shown leaf went with it, the branch shown ends at the node's parent (or, for a first
         message, at the newest leaf of another first message)."""
-        sibs = self.siblings(node)
-        sibs.remove(node)
-        gone, stack = 0, [node]
-        while stack:
-            current = stack.pop()
-            gone += 1
-            stack.extend(current.children)
+        self.siblings(node).remove(node)
+        gone = len(self.subtree(node))
         leaf = self.leaf
         while leaf is not None and leaf is not node:
             leaf = leaf.parent

@@ -55,15 +55,6 @@ RATE_MIN_S = 0.05
 (a stream cut off at once, the engine dying) is noise, not speed."""
 
 
-def _subtree(node: Node) -> list[Node]:
-    out, stack = [], [node]
-    while stack:
-        current = stack.pop()
-        out.append(current)
-        stack.extend(current.children)
-    return out
-
-
 def model_label(spec: str) -> str:
     """A model as a pane shows it: a store name as it is, a file or folder by its name."""
     if spec.startswith(("/", "~", ".")):
@@ -307,7 +298,7 @@ class ChatPane(Vertical):
         if node is None:
             self.app.notify("There is no message to delete.", severity="warning")
             return
-        below = sum(1 for _ in _subtree(node)) - 1
+        below = len(self.conversation.subtree(node)) - 1
         what = "this message" + (f" and the {below} message(s) after it (every branch)" if below else "")
         if not await self.app.push_screen_wait(ConfirmScreen(f"Delete {what}?", yes="Delete", focus_yes=False)):
             return
