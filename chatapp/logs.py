@@ -48,4 +48,19 @@ def log_to_file(verbose: bool) -> Path | None:
     root.addHandler(handler)
     root.setLevel(logging.INFO if verbose else logging.WARNING)
     logging.captureWarnings(True)
+    _drop_terminal_handlers()
     return path
+
+
+def _drop_terminal_handlers() -> None:
+    """Libraries that give their own logger a handler on the terminal lose it; their lines still reach
+    the file through the root. huggingface_hub adds one to its logger when first imported, so it is
+    imported here (a few milliseconds) rather than later, when a Hub search would add it mid-session."""
+    import huggingface_hub.utils.logging  # noqa: F401  (the import adds the handler: import, then drop)
+
+    for logger in logging.Logger.manager.loggerDict.values():
+        if not isinstance(logger, logging.Logger):
+            continue  # (a placeholder for loggers below it: no handlers of its own)
+        for handler in logger.handlers[:]:
+            if type(handler) is logging.StreamHandler:  # (a FileHandler is a StreamHandler too: kept)
+                logger.removeHandler(handler)

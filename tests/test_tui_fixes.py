@@ -148,6 +148,8 @@ def test_the_tui_logs_to_a_rotating_file_and_never_to_the_terminal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], restored_logging: None
 ) -> None:
     monkeypatch.setenv("CHATAPP_LOG_DIR", str(tmp_path / "logs"))
+    import huggingface_hub.utils.logging  # noqa: F401  (on import it gives its logger a stderr handler)
+
     import chatapp.tui.app as tui_app
 
     def fake_tui(args: Any) -> int:  # what a Hub search does offline, while Textual owns the screen
