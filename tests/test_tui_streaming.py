@@ -1,20 +1,24 @@
-"""How answers reach the screen while they stream (issue 18's CPU item): finished Markdown blocks go to
-the Markdown widget once each and only the block being written is redrawn, every streaming pane is
-flushed by one clock in one frame, and quitting mid-start is clean."""
+"""How answers reach the screen while they stream (issue 18's CPU item): finished Markdown blocks are
+drawn once each, as one text widget per batch, and only the block being written is redrawn; an ended
+answer is one widget; every streaming pane is flushed by one clock in one frame; quitting mid-start
+is clean."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
-from textual.widgets import Static
 
 from chatapp.history import HistoryStore
+from chatapp.tui.app import ChatApp
 from chatapp.tui.markdown_tail import settled_length
 from chatapp.tui.stream_clock import UNFOCUSED_EVERY, StreamClock, clock_for
+from chatapp.tui.widgets.markdown_text import MarkdownChunk
 from tests.tui_fakes import FakeClient
-from tests.tui_helpers import answered, make_app, panes, send, wait_for
+from tests.tui_helpers import answered, drawn_text, make_app, panes, send, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,21 +60,28 @@ async def test_finished_blocks_go_to_the_markdown_and_only_the_block_being_writt
         assert view is not None
         await wait_for(pilot, lambda: view.shown_text == REPLY[:HELD_AT], "the held text on screen")
         assert view.body.source == "Intro line.\n\n- first\n- second\n\n"
-        tail = view.query_one(".message-tail", Static)
-        assert tail.display and str(tail.render()) == "```python\nx = 1\n"
+        chunks = view.body.query(MarkdownChunk)
+        assert chunks and "".join(c.source for c in chunks) == view.body.source
+        drawn = drawn_text(view.body)
+        assert "• first" in drawn and "- first" not in drawn  # the finished list drawn as Markdown
+        assert "```python" not in drawn and "x = 1" in drawn  # the open fence drawn as code already
+        assert view.body.tail.display and view.body.tail.text == "```python\nx = 1\n"
 
         hold.set()
         await wait_for(pilot, lambda: answered(pane), "the answer finished")
-        assert not view.query(".message-tail")
+        assert not view.body.tail.display and view.body.tail.text == ""
         assert view.body.source == REPLY
-        streamed = [type(block).__name__ for block in view.body.children]
-        # The same answer drawn at once (as when the session is opened again) has the same blocks.
+        assert len(view.body.query(MarkdownChunk)) == 1  # drawn again as one piece
+        await pilot.pause()
+        ended = drawn_text(view.body)
+        assert "```" not in ended and "y = 2" in ended and "Done now." in ended
+        # The same answer drawn at once (as when the session is opened again) looks the same.
         await pane.show_path()
         fresh = pane.view_for(answer)
         assert fresh is not None and fresh is not view
         await pilot.pause()
-        assert [type(block).__name__ for block in fresh.body.children] == streamed
-        assert streamed == ["MarkdownParagraph", "MarkdownBulletList", "MarkdownFence", "MarkdownParagraph"]
+        assert fresh.body.source == REPLY and len(fresh.body.query(MarkdownChunk)) == 1
+        assert drawn_text(fresh.body) == ended
 
 
 class FlushCounter:
@@ -133,3 +144,50 @@ async def test_quitting_before_a_just_started_answer_runs_is_clean_and_keeps_the
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         sessions = store.list_sessions()
         assert [m.content for m in store.path(sessions[0].id)][:1] == ["are you there?"]
+
+
+def test_an_app_that_streamed_is_freed_when_it_ends(tmp_path: Path) -> None:
+    """Nothing of ours keeps an ended app alive (the stream clock once did, through the clocks' weak
+    dictionary): every app a test suite or a benchmark runs stayed in memory, and the collector
+    walked them all, again and again. (Its own event loop: the one of an async test holds the app's
+    last callbacks until the test ends.)"""
+
+    async def stream_once() -> weakref.ref[ChatApp]:
+        app = make_app(tmp_path, FakeClient(reply="one two three", chunk=4))
+        async with app.run_test(size=(100, 30)) as pilot:
+            pane = panes(app)[0]
+            await send(pilot, pane, "count")
+            await wait_for(pilot, lambda: answered(pane), "the answer")
+        return weakref.ref(app)
+
+    ended = asyncio.run(stream_once())
+    gc.collect()
+    assert ended() is None
+
+
+async def test_chunks_and_the_tail_are_spaced_like_one_markdown_document() -> None:
+    """Blocks drawn as separate chunks (and the block being written) are one blank line apart, as
+    the same blocks drawn at once are; Rich's own empty line above a list is not doubled."""
+    from textual.app import App, ComposeResult
+
+    from chatapp.tui.widgets.markdown_text import MarkdownText
+
+    class Host(App[None]):
+        def compose(self) -> ComposeResult:
+            yield MarkdownText()
+
+    source = "Intro.\n\n- a\n- b\n\n1. one\n2. two"
+    app = Host()
+    async with app.run_test(size=(40, 20)) as pilot:
+        body = app.query_one(MarkdownText)
+        await body.append("Intro.\n\n")
+        await body.append("- a\n- b\n\n")
+        body.set_tail("1. one\n2. two")
+        await pilot.pause()
+        streamed = drawn_text(body).splitlines()
+        await body.update(source)
+        await pilot.pause()
+        whole = drawn_text(body).splitlines()
+    assert [line.strip() for line in streamed if line.strip()] == ["Intro.", "• a", "• b", "1 one", "2 two"]
+    assert streamed[: len(whole)] == whole and not any(line.strip() for line in streamed[len(whole) :])
+    assert [line.strip() for line in whole[:7]] == ["Intro.", "", "• a", "• b", "", "1 one", "2 two"]

@@ -7,17 +7,19 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from textual.widgets import DataTable, Markdown, Tabs
-from textual.widgets.markdown import MarkdownFence
+from textual.geometry import Offset
+from textual.selection import Selection
+from textual.widgets import DataTable, Tabs
 
 from chatapp.history import HistoryStore
 from chatapp.tui.screens.help import HelpScreen
 from chatapp.tui.screens.models import ModelScreen
 from chatapp.tui.screens.sessions import SessionsScreen
+from chatapp.tui.widgets.markdown_text import MarkdownChunk, MarkdownText
 from chatapp.tui.widgets.message_view import MessageView
 from chatapp.tui.widgets.status_bar import StatusBar
 from tests.tui_fakes import FakeClient
-from tests.tui_helpers import answered, main_screen, make_app, panes, send, wait_for
+from tests.tui_helpers import answered, drawn_text, main_screen, make_app, panes, send, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,15 +65,35 @@ async def test_code_fence_keeps_its_code_when_the_stream_ends(tmp_path: Path) ->
         await wait_for(pilot, lambda: answered(pane), "the answer finished")
         await pilot.pause()
         view = pane.view_for(pane.conversation.path()[-1])
-        fences = view.body.query(MarkdownFence)
-        assert len(fences) == 1
-        fence = fences.first()
-        assert fence.code.strip() == "def add(a, b):\n    return a + b"
-        shown = fence.query_one("#code-content").render()
-        assert "return a + b" in str(shown)
-        assert fence.region.height > 0  # on screen, not collapsed
+        chunks = view.body.query(MarkdownChunk)
+        assert len(chunks) == 1  # the ended answer is drawn as one piece
+        shown = drawn_text(chunks.first())
+        assert "def add(a, b):" in shown and "return a + b" in shown  # the code, on screen
+        assert "```" not in shown and "Here you go:" in shown and "That is all." in shown  # as Markdown
         # The streamed document equals the answer: nothing was lost or duplicated by batching.
         assert view.body.source == CODE_REPLY
+
+
+async def test_an_answer_can_be_selected_with_the_mouse_and_copied_as_drawn(tmp_path: Path) -> None:
+    app = make_app(tmp_path, FakeClient(reply=CODE_REPLY, chunk=3))
+    async with app.run_test(size=(120, 40)) as pilot:
+        pane = panes(app)[0]
+        await send(pilot, pane, "code please")
+        await wait_for(pilot, lambda: answered(pane), "the answer finished")
+        await pilot.pause()
+        chunk = pane.view_for(pane.conversation.leaf).body.query_one(MarkdownChunk)
+        drawn = drawn_text(chunk)
+        unselected = {segment.text: segment.style for segment in chunk.render_line(0)}
+        screen = app.screen
+        screen.selections = {chunk: Selection(None, None)}  # (what a drag over all of it leaves)
+        everything = screen.get_selected_text()
+        assert everything is not None and "def add(a, b):" in everything and "That is all." in everything
+        screen.selections = {chunk: Selection(Offset(0, 0), Offset(4, 0))}
+        await pilot.pause()
+        assert screen.get_selected_text() == "Here"
+        assert drawn_text(chunk) == drawn  # the same characters, "Here" now drawn as selected
+        selected = {segment.text: segment.style for segment in chunk.render_line(0)}
+        assert selected["Here"] != unselected.get("Here", unselected.get("Here you go:"))
 
 
 async def test_two_panes_stream_at_the_same_time(tmp_path: Path) -> None:
@@ -455,13 +477,13 @@ async def test_session_settings_validate_and_apply(tmp_path: Path) -> None:
 
 async def test_four_fast_streams_are_batched_into_few_markdown_appends(tmp_path: Path, monkeypatch) -> None:
     appends: list[int] = []
-    original = Markdown.append
+    original = MarkdownText.append
 
-    def counting_append(self: Markdown, markdown: str):
+    def counting_append(self: MarkdownText, markdown: str):
         appends.append(id(self))
         return original(self, markdown)
 
-    monkeypatch.setattr(Markdown, "append", counting_append)
+    monkeypatch.setattr(MarkdownText, "append", counting_append)
     reply = "word " * 400  # 400 deltas per pane
     client = FakeClient(reply=reply, chunk=5)
     app = make_app(tmp_path, client)

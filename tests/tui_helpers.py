@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from textual.pilot import Pilot
+from textual.widget import Widget
 
 from chatapp.history import HistoryStore, Metrics
 from chatapp.tui.app import ChatApp
@@ -35,6 +36,13 @@ async def wait_for(pilot: Pilot, condition: Callable[[], bool], what: str, steps
             return
         await pilot.pause(0.02)
     raise AssertionError(f"never happened: {what}")
+
+
+def drawn_text(widget: Widget) -> str:
+    """The characters the screen shows in ``widget``'s region, line by line (what a user reads)."""
+    region = widget.region
+    strips = widget.app.screen._compositor.render_strips()
+    return "\n".join(strip.crop(region.x, region.right).text.rstrip() for strip in strips[region.y : region.bottom])
 
 
 def main_screen(app: ChatApp) -> MainScreen:

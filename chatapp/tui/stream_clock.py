@@ -6,12 +6,14 @@ kept their own timer were laid out one after another, several times per tick. He
 timer, running only while something streams, calls every streaming pane's ``flush`` in one
 callback, inside one batch of screen updates that also waits for the Markdown blocks the flushes
 mounted: all the changes land in one frame. The focused pane flushes every tick (``TICK_S``);
-the others every ``UNFOCUSED_EVERY`` ticks, as they are read at a glance, not word by word.
+the others every ``UNFOCUSED_EVERY`` ticks (about once a second), as they are read at a glance, not
+word by word.
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Awaitable
 from typing import Protocol
 from weakref import WeakKeyDictionary
@@ -21,8 +23,8 @@ from textual.timer import Timer
 
 TICK_S = 0.3
 """How often the focused pane's streamed text reaches the screen."""
-UNFOCUSED_EVERY = 2
-"""The other panes take every second tick."""
+UNFOCUSED_EVERY = 3
+"""The other panes take every third tick."""
 
 
 class Flushable(Protocol):
@@ -39,7 +41,9 @@ class StreamClock:
     """Ticks while at least one pane streams; see the module's docstring."""
 
     def __init__(self, app: App[object]) -> None:
-        self._app = app
+        # Weakly: the clocks are kept by app in a WeakKeyDictionary, whose values must not hold their
+        # keys (each app ever run would stay in memory: the test suite's hundreds, a benchmark's).
+        self._app = weakref.ref(app)
         self._panes: dict[Flushable, None] = {}  # (ordered, like the panes on screen)
         self._timer: Timer | None = None
         self._ticks = 0
@@ -49,7 +53,9 @@ class StreamClock:
         self._panes[pane] = None
         if self._timer is None:
             self._ticks = 0
-            self._timer = self._app.set_interval(TICK_S, self._tick, name="stream-clock")
+            app = self._app()
+            if app is not None:
+                self._timer = app.set_interval(TICK_S, self._tick, name="stream-clock")
 
     def leave(self, pane: Flushable) -> None:
         """``pane`` stopped streaming (it flushes its rest itself); the clock stops with the last one."""
@@ -65,7 +71,10 @@ class StreamClock:
     async def _tick(self) -> None:
         self._ticks += 1
         everyone = self._ticks % UNFOCUSED_EVERY == 0
-        with self._app.batch_update():
+        app = self._app()
+        if app is None:
+            return
+        with app.batch_update():
             mounting = [
                 work
                 for pane in list(self._panes)

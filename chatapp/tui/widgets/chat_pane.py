@@ -23,7 +23,7 @@ from textual.app import ComposeResult
 from textual.await_complete import AwaitComplete
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.timer import Timer
 from textual.widgets import Static, TextArea
 from textual.worker import Worker
@@ -81,13 +81,15 @@ class ChatPane(Vertical):
             self.pane = pane
             self.text = text
 
-    busy: reactive[bool] = reactive(False)
+    # Plain vars, not repainting reactives: the pane draws none of them itself (the status bar and the
+    # classes they set do), and repainting the whole pane per streamed tick was a third of the redraw.
+    busy: var[bool] = var(False)
     """An answer is being generated."""
-    rate: reactive[float | None] = reactive(None)
+    rate: var[float | None] = var(None)
     """Tokens per second of the answer being written, else of the last one shown."""
-    editing: reactive[Node | None] = reactive(None, init=False)
+    editing: var[Node | None] = var(None, init=False)
     """The user message being edited (Enter resends it as a new branch)."""
-    compare: reactive[bool] = reactive(False, init=False)
+    compare: var[bool] = var(False, init=False)
     """Marked for compare mode: what is sent in any marked pane is sent in all of them."""
 
     def __init__(

@@ -1,9 +1,9 @@
 """One message of a pane: who wrote it, which branch it is, the Markdown text (a reasoning model's
 think block folded above it), and an answer's numbers.
 
-While an answer streams, its finished blocks go to the Markdown widget once each and the block still
-being written is shown as plain text below it (see ``markdown_tail``): a tick then redraws one
-small widget, not the Markdown, and the last block takes its formatting as soon as it ends.
+While an answer streams, its finished blocks go to the Markdown once each and the block still being
+written is shown as plain text below them (see ``markdown_tail`` and ``markdown_text``): a tick then
+redraws one small widget, and the last block takes its formatting as soon as it ends.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from textual.app import ComposeResult
 from textual.await_complete import AwaitComplete
 from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import Collapsible, Markdown, Static
+from textual.widgets import Collapsible, Static
 
 from chatapp.engine.reasoning import split_reasoning
 from chatapp.tui.code_blocks import code_blocks
 from chatapp.tui.conversation import Branch, Node
 from chatapp.tui.markdown_tail import settled_length
+from chatapp.tui.widgets.markdown_text import MarkdownText
 
 _STATUS_LABELS = {"streaming": "writing…", "incomplete": "incomplete", "error": "error"}
 
@@ -51,7 +52,7 @@ class MessageView(Vertical):
         reasoning, content = self.parts()
         if reasoning is not None:
             yield self._thinking(reasoning)
-        yield Markdown(content, classes="message-body")
+        yield MarkdownText(content, classes="message-body")
         if self.node.role == "assistant":
             yield Static(self._footer(), classes="message-footer")
 
@@ -62,8 +63,8 @@ class MessageView(Vertical):
         return split_reasoning(self.node.content)
 
     @property
-    def body(self) -> Markdown:
-        return self.query_one(".message-body", Markdown)
+    def body(self) -> MarkdownText:
+        return self.query_one(".message-body", MarkdownText)
 
     @property
     def shown_text(self) -> str:
@@ -75,9 +76,6 @@ class MessageView(Vertical):
     async def begin_stream(self) -> None:
         """Streamed text comes next (after what the body shows: a continuation extends it)."""
         self._streamed = self.body.source
-        tail = Static("", classes="message-tail", markup=False)
-        tail.display = False
-        await self.mount(tail, after=self.body)
 
     def stream(self, text: str) -> AwaitComplete | None:
         """Show ``text`` more of the answer, without awaiting (the stream clock calls this for every
@@ -86,34 +84,25 @@ class MessageView(Vertical):
         if self._streamed is None:
             raise RuntimeError("stream() before begin_stream()")
         self._streamed += text
-        done = len(self.body.source)
+        body = self.body
+        done = len(body.source)
         started: AwaitComplete | None = None
         if self._appending is None or self._appending.is_done:
             self._appending = None
             settled = settled_length(self._streamed)
             if settled > done:
-                self._appending = started = self.body.append(self._streamed[done:settled])
+                self._appending = started = body.append(self._streamed[done:settled])
                 done = settled
-        tail = self._streamed[done:]
-        tails = self.query(".message-tail")
-        if tails:
-            widget = tails.first(Static)
-            widget.display = bool(tail)
-            widget.update(tail)
+        body.set_tail(self._streamed[done:])
         return started
 
     async def end_stream(self, shown: str) -> None:
-        """The answer ended as ``shown``: the Markdown takes all of it and the plain tail goes."""
+        """The answer ended as ``shown``: it is drawn again as one piece of Markdown, tail gone."""
         if self._appending is not None:
             await self._appending
             self._appending = None
         self._streamed = None
-        await self.query(".message-tail").remove()
-        source = self.body.source
-        if shown.startswith(source) and shown != source:
-            await self.body.append(shown[len(source) :])
-        if self.body.source != shown:  # (an answer that changed under the stream: shown as it is)
-            await self.body.update(shown)
+        await self.body.update(shown)
 
     def _thinking(self, text: str) -> Collapsible:
         """The think block, folded under a title (Enter or a click opens it)."""
