@@ -165,3 +165,37 @@ def test_continue_final_message_renders_the_answer_open(pair) -> None:
         [messages[0], {"role": "assistant", "content": "Rayleigh "}], continue_final_message=True
     )
     assert tokenizer.decode(spaced, skip_special_tokens=False).endswith("assistant\nRayleigh ")
+
+
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}"
+    "{%- if '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{ '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_an_answer_whose_think_block_the_template_moves_is_continued_as_written(pair, tmp_path: Path) -> None:
+    """Qwen3's template drops a think block from an answer's content, so the answer as written is not in
+    the rendered conversation: continuing it opens the turn after the generation prompt with the text
+    exactly as the model wrote it (think block and all), where it once failed."""
+    _, hf = pair
+    directory = tmp_path / "qwen3-style"
+    hf.save_pretrained(str(directory))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = QWEN3_STYLE_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer = Tokenizer(directory)
+    question = {"role": "user", "content": "Why is the sky blue?"}
+    written = "<think>\nShort answer wanted.\n</think>\n\nRayleigh scattering makes"
+    ids = tokenizer.render_chat([question, {"role": "assistant", "content": written}], continue_final_message=True)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text == "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n" + written
+    # An answer the template leaves as it is still opens where the template puts it.
+    plain = tokenizer.render_chat([question, {"role": "assistant", "content": "Rayleigh"}], continue_final_message=True)
+    assert tokenizer.decode(plain, skip_special_tokens=False).endswith("<|im_start|>assistant\nRayleigh")

@@ -319,7 +319,8 @@ class Tokenizer:
         The answer is looked for after where its turn starts (the conversation before it, rendered with a
         generation prompt), so a short answer cannot be found inside the end-of-turn marker; and as it
         stands stripped, as templates that trim content (Llama 3, Gemma) render it. Its own trailing
-        whitespace, if the template dropped it, is put back: the model goes on from what it wrote."""
+        whitespace, if the template dropped it, is put back: the model goes on from what it wrote. An
+        answer the template rewrote follows the generation prompt as it was written."""
         final: str = messages[-1]["content"]
         core = final.strip()
         start = 0
@@ -330,6 +331,10 @@ class Tokenizer:
         except Exception:  # noqa: BLE001  a template that cannot render the shorter conversation: search it all
             start = 0
         at = text.find(core, start) if start else text.rfind(core)
+        if core and at == -1 and start:
+            # The template rewrote the answer (Qwen3's drops a think block from it): the turn opens as
+            # the model wrote it, right after the prompt that asked for it, which is what it went on from.
+            return text[:start] + final
         if not core or at == -1:
             raise ChatFormatError("the model's chat template changed the final message; it cannot be continued")
         end = at + len(core)
