@@ -457,19 +457,29 @@ async def test_session_settings_set_every_sampling_parameter(tmp_path: Path) -> 
         values = {"min_p": "0.05", "presence_penalty": "0.5", "frequency_penalty": "0.25", "top_k": "40"}
         for name, value in values.items():
             app.screen.query_one(f"#s-{name}", Input).value = value
-        app.screen.query_one("#s-stop", TextArea).text = "END\nSTOP HERE\n"
+        app.screen.query_one("#s-stop", TextArea).text = "END\nSTOP HERE\n\\n\\n\n\\sObservation:\nC:\\\\dir\n"
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: app.screen is main_screen(app), "saved")
         await send(pilot, pane, "q")
         await wait_for(pilot, lambda: answered(pane), "answer")
         params = client.requests[0]["params"]
         assert (params.min_p, params.presence_penalty, params.frequency_penalty, params.top_k) == (0.05, 0.5, 0.25, 40)
-        assert params.stop_strings == ("END", "STOP HERE")
+        stops = ["END", "STOP HERE", "\n\n", " Observation:", "C:\\dir"]  # a blank line, a leading space
+        assert params.stop_strings == tuple(stops)
         session_id = pane.config.db_id
         await app.action_quit()
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         sampling = store.get_session(session_id).sampling
-    assert sampling["stop"] == ["END", "STOP HERE"] and sampling["min_p"] == 0.05
+    assert sampling["stop"] == stops and sampling["min_p"] == 0.05
+
+
+@pytest.mark.parametrize("stop", ["\n\n", " ", "  x ", "a\\nb", "\\", "tab\there", "###", "é\r\n", "\\s"])
+def test_a_stop_string_is_one_line_of_the_form_and_back(stop: str) -> None:
+    from chatapp.tui.session_config import parse_stop_line, stop_line
+
+    line = stop_line(stop)
+    assert "\n" not in line and line == line.strip()  # one line, nothing for the form's trim to lose
+    assert parse_stop_line(line) == stop
 
 
 async def test_each_pane_shows_the_context_it_uses(tmp_path: Path) -> None:
@@ -858,3 +868,55 @@ async def test_a_key_an_earlier_version_kept_in_the_history_moves_to_the_setting
     with HistoryStore(tmp_path / "history.sqlite3") as store:
         assert store.get_session(old.id).backend.api_key is None
     assert KEY.encode() not in _raw_history(tmp_path)  # not left behind anywhere in the files
+
+
+async def test_a_second_window_finds_the_api_port_served_by_the_first(tmp_path: Path) -> None:
+    """Two TUIs on one engine with the API port on in both: the second cannot bind the port, and says
+    it is served (by the other window) rather than showing an error; a port another program holds
+    is an error that says what to do."""
+    import asyncio
+
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    (first_dir / "settings.toml").write_text('[server]\nhost = "127.0.0.1"\nport = 0\n')
+    first = make_app(first_dir)
+    async with first.run_test(size=(160, 40)) as pilot:
+        await pilot.press("f9")
+        bar = main_screen(first).query_one(StatusBar)
+        await wait_for(pilot, lambda: bar.server_url is not None, "the first window's port")
+        port = int(str(bar.server_url).rsplit(":", 1)[1])
+        (second_dir / "settings.toml").write_text(f'[server]\nhost = "127.0.0.1"\nport = {port}\n')
+        second = make_app(second_dir)
+        async with second.run_test(size=(160, 40)) as other:
+            other_bar = main_screen(second).query_one(StatusBar)
+            await other.pause(0.3)
+            await other.press("f9")
+            await wait_for(other, lambda: other_bar.server_url is not None, "the port found in use by chatapp")
+            assert other_bar.server_url == bar.server_url and other_bar.api_elsewhere
+            assert f"API {bar.server_url}/v1 (another window's)" in str(other_bar.render())
+            notes = [n.message for n in second._notifications]
+            assert any("served by another chatapp window" in m for m in notes), notes
+            assert not any(n.severity == "error" for n in second._notifications)
+            await second.action_quit()
+        await first.action_quit()
+
+    async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"SSH-2.0-something\r\n")
+        await writer.drain()
+        writer.close()
+
+    squatter = await asyncio.start_server(not_http, "127.0.0.1", 0)
+    taken = squatter.sockets[0].getsockname()[1]
+    (second_dir / "settings.toml").write_text(f'[server]\nhost = "127.0.0.1"\nport = {taken}\n')
+    async with squatter:
+        app = make_app(second_dir)
+        async with app.run_test(size=(160, 40)) as pilot:
+            bar = main_screen(app).query_one(StatusBar)
+            await pilot.pause(0.3)
+            await pilot.press("f9")
+            await wait_for(pilot, lambda: any(n.severity == "error" for n in app._notifications), "the error")
+            errors = [n.message for n in app._notifications if n.severity == "error"]
+            assert any(f"127.0.0.1:{taken}" in m and "another port in the settings (F2)" in m for m in errors)
+            assert bar.server_url is None and "API off" in str(bar.render())
+            await app.action_quit()

@@ -122,6 +122,8 @@ class ChatApp(App[None]):
         self.pulls: list[PullJob] = []
         self._remote: dict[tuple[str, str | None, str], RemoteClient] = {}
         self._server: Any = None
+        self._api_elsewhere: str | None = None
+        """The API port's URL when another chatapp window serves it (the same engine answers there)."""
         self._ui_state_path = history_path.parent / ui_state.FILENAME if history_path else ui_state.default_path()
         self._ui_state = ui_state.load(self._ui_state_path)
         self._keymap_warnings: list[str] = []
@@ -368,7 +370,8 @@ class ChatApp(App[None]):
             return
         bar.engine = snapshot
         bar.history_failing = self.recorder.failing
-        bar.server_url = getattr(self._server, "url", None) if self._server is not None else None
+        bar.server_url = getattr(self._server, "url", None) if self._server is not None else self._api_elsewhere
+        bar.api_elsewhere = self._server is None and self._api_elsewhere is not None
         if self._server is not None:
             counts = self._server.state.requests
             bar.api_requests = (counts.running, counts.total)
@@ -474,14 +477,39 @@ class ChatApp(App[None]):
             self.notify(f"Cannot start the API port: {exc}", severity="error")
             return
         s = self.settings.server
+        self._api_elsewhere = None
         try:
             self._server = await start_server(client, s.host, s.port, api_key=s.api_key)
-        except (OSError, RuntimeError, ValueError) as exc:
+        except OSError as exc:
+            await self._port_taken(s.host, s.port, exc)
+            await self._poll_engine()
+            return
+        except (RuntimeError, ValueError) as exc:
             self.notify(f"Cannot open the API port on {s.host}:{s.port}: {exc}", severity="error", timeout=10)
             return
         self._remember_api_port(True)
         self.notify(f"The OpenAI-compatible API is on at {self._server.url}")
         await self._poll_engine()
+
+    async def _port_taken(self, host: str, port: int, error: OSError) -> None:
+        """The API port could not be opened: when another chatapp window serves it (two windows on one
+        engine, the port on in both), that is the API the user asked for; anything else is an error."""
+        from chatapp.server.probe import chatapp_api_at
+
+        url = await chatapp_api_at(host, port)
+        if url is not None:
+            self._api_elsewhere = url
+            self.notify(
+                f"The API is already on at {url}/v1, served by another chatapp window: the same engine answers it.",
+                timeout=10,
+            )
+            return
+        self.notify(
+            f"Cannot open the API port on {host}:{port}: {error.strerror or error}. Another program may hold "
+            "it: choose another port in the settings (F2).",
+            severity="error",
+            timeout=10,
+        )
 
     def _remember_api_port(self, on: bool) -> None:
         """F9's state, restored at the next start (quitting with the port on keeps it on)."""

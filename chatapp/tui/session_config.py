@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,7 +25,35 @@ SAMPLING_FIELDS: dict[str, type] = {
     "stop": list,
 }
 """The sampling parameters a session may set (every one of SamplingParams a chat needs), with their types;
-``stop`` is a list of strings (one a line in the form)."""
+``stop`` is a list of strings (one a line in the form, written with escapes: see ``stop_line``)."""
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "s": " ", "\\": "\\"}
+_ESCAPE = re.compile(r"\\(?:([ntrs\\])|x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4}))")
+
+
+def stop_line(stop: str) -> str:
+    """A stop string as one line of the form: a newline, tab or return written \\n, \\t, \\r, a
+    backslash \\\\, and spaces that begin or end it \\s (the form trims its lines), so that "\\n\\n"
+    (a blank line, a common stop) can be written at all."""
+    text = stop.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    core = text.strip(" ")
+    if not core:
+        return "\\s" * len(text)
+    lead, trail = len(text) - len(text.lstrip(" ")), len(text) - len(text.rstrip(" "))
+    return "\\s" * lead + core + "\\s" * trail
+
+
+def parse_stop_line(line: str) -> str:
+    """The stop string a form line writes (see ``stop_line``; \\xHH and \\uHHHH too; any other
+    backslash is itself)."""
+
+    def one(match: re.Match[str]) -> str:
+        simple, byte, unit = match.groups()
+        if simple:
+            return _ESCAPES[simple]
+        return chr(int(byte or unit, 16))
+
+    return _ESCAPE.sub(one, line.strip())
 
 
 class SessionConfigError(ValueError):
@@ -85,7 +114,7 @@ def parse_sampling(values: dict[str, str]) -> dict[str, Any]:
         if kind is None:
             raise SessionConfigError(f"unknown sampling setting {name!r}")
         if kind is list:
-            out[name] = [line for line in text.splitlines() if line]
+            out[name] = [parse_stop_line(line) for line in text.splitlines() if line.strip()]
             continue
         try:
             out[name] = kind(text)

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from chatapp.engine.api import EngineBusyError, EngineDeadError, EngineStats
 from chatapp.server.errors import RETRY_AFTER_SECONDS
+from chatapp.server.probe import SERVER_NAME
 from chatapp.server.state import ServerState, get_state
 
 health_router = APIRouter()
@@ -76,7 +77,7 @@ async def _engine_stats(state: ServerState) -> tuple[str, EngineStats | None]:
 @health_router.get("/health", responses={503: {"description": "the engine is loading or restarting"}})
 async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
     phase, _ = await _engine_stats(state)
-    body = {"status": "ok" if phase == "ready" else phase, "model": state.model_id()}
+    body = {"status": "ok" if phase == "ready" else phase, "model": state.model_id(), "server": SERVER_NAME}
     if phase == "ready":
         return JSONResponse(body)
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

@@ -11,7 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, TextArea
 
 from chatapp.history import Backend
-from chatapp.tui.session_config import SessionConfig, SessionConfigError, parse_sampling
+from chatapp.tui.session_config import SessionConfig, SessionConfigError, parse_sampling, stop_line
 
 _SAMPLING_ROWS = (
     ("temperature", "top_p", "top_k", "min_p", "max_tokens"),
@@ -48,10 +48,12 @@ class SessionSettingsScreen(ModalScreen[SessionConfig | None]):
                                 yield Label(name.replace("_penalty", " penalty").replace("_", " "))
                                 value = c.sampling.get(name)
                                 yield Input("" if value is None else str(value), id=f"s-{name}")
-                yield Label("Stop strings (one a line): the answer ends before any of them")
+                yield Label(
+                    "Stop strings, one a line (\\n newline, \\t tab, \\s space): the answer ends before any of them"
+                )
                 stops = c.sampling.get("stop") or []
                 stops = [stops] if isinstance(stops, str) else stops  # one string (an imported session)
-                yield TextArea("\n".join(stops), id="s-stop", classes="short-text")
+                yield TextArea("\n".join(stop_line(stop) for stop in stops), id="s-stop", classes="short-text")
                 yield Label("Answers come from")
                 yield Select(
                     [("the local engine", "local"), ("a remote OpenAI-compatible server", "remote")],

@@ -25,6 +25,8 @@ class StatusBar(Widget):
     session_rate: reactive[float | None] = reactive(None)
     server_url: reactive[str | None] = reactive(None)
     api_requests: reactive[tuple[int, int]] = reactive((0, 0))
+    api_elsewhere: reactive[bool] = reactive(False)
+    """The API port at server_url is another chatapp window's (its counts are not ours to show)."""
     """The API port's requests (running now, served in all since it opened)."""
     history_failing: reactive[bool] = reactive(False)
     restart_key: reactive[str] = reactive("F10")
@@ -57,7 +59,9 @@ class StatusBar(Widget):
         if e.prefix_hit_rate is not None:
             parts.append(f"prefix hits {e.prefix_hit_rate:.0%}")
         parts.append(f"{self.session_rate:.1f} tok/s" if self.session_rate is not None else "– tok/s")
-        if self.server_url:
+        if self.server_url and self.api_elsewhere:
+            parts.append(f"API {self.server_url}/v1 (another window's)")
+        elif self.server_url:
             running, total = self.api_requests
             parts.append(f"API {self.server_url}/v1 · {running} running, {total} served")
         else:
