@@ -700,8 +700,9 @@ def test_the_history_is_readable_by_its_owner_alone(tmp_path: Path, monkeypatch:
     assert mode(old) == 0o600
 
 
-def test_a_version_1_history_gains_truncation_marks_and_drafts(db_path):
-    """Schema 2: answers say whether they stopped at the token limit, sessions keep a draft."""
+def test_a_version_1_history_gains_truncation_marks_drafts_and_context_fits(db_path):
+    """Schema 2: answers say whether they stopped at the token limit, sessions keep a draft. Schema 3:
+    sessions keep how their prompts are fitted to the context."""
     from chatapp.history.migrations import v1
 
     conn = sqlite3.connect(db_path)  # a file written by a chatapp that knew schema 1
@@ -716,15 +717,18 @@ def test_a_version_1_history_gains_truncation_marks_and_drafts(db_path):
     conn.commit()
     conn.close()
     with HistoryStore(db_path) as store:
-        assert raw(db_path).execute("PRAGMA user_version").fetchone()[0] == 2
+        assert raw(db_path).execute("PRAGMA user_version").fetchone()[0] == schema_version() == 3
         s, q = store.get_session(1), store.get_message(1)
         assert s.title == "old" and [m.content for m in store.path(s.id)] == ["hi", "hello"]
         assert s.draft == "" and [m.truncated for m in store.path(s.id)] == [False, False]
-        store.update_session(s.id, draft="half a thought")
+        assert s.context_fit is None
+        store.update_session(s.id, draft="half a thought", context_fit={"mode": "drop", "dropped": 2, "summary": ""})
         answer = store.start_answer(s.id, q.id, model="m")
         store.finish_message(answer.id, "a long answer that", truncated=True)
     with HistoryStore(db_path) as store:
         assert store.get_session(s.id).draft == "half a thought"
+        assert store.get_session(s.id).context_fit == {"mode": "drop", "dropped": 2, "summary": ""}
+        assert store.update_session(s.id, context_fit=None).context_fit is None
         assert store.get_message(answer.id).truncated is True
         exported = store.export_json(s.id)
         copy = store.import_json(exported)

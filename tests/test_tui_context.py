@@ -43,6 +43,16 @@ async def test_dropping_the_oldest_turns_answers_and_keeps_doing_so(tmp_path: Pa
         assert sent == ["third question", "Answer.", "fourth question"]
         assert len(pane.conversation.chat_messages("", pane.conversation.leaf)) == 8  # history keeps them all
         await app.action_quit()
+    # The choice is saved with the session: after a restart the next question is fitted, not refused.
+    again = make_app(tmp_path, client)
+    async with again.run_test(size=(120, 40)) as pilot:
+        pane = panes(again)[0]
+        assert pane.context_fit == ContextFit("drop", dropped=2)
+        await ask(pilot, pane, "fifth question")
+        assert not isinstance(again.screen, ContextFullScreen)
+        sent = [m["content"] for m in client.requests[-1]["messages"]]
+        assert sent == ["fourth question", "Answer.", "fifth question"]
+        await again.action_quit()
 
 
 async def test_summarising_the_oldest_turns_puts_the_summary_in_the_prompt(tmp_path: Path) -> None:
@@ -70,6 +80,16 @@ async def test_cancelling_leaves_the_chat_as_it_was(tmp_path: Path) -> None:
         pane = panes(app)[0]
         assert pane.context_fit is None and len(client.requests) == 2
         await app.action_quit()
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [None, {}, {"mode": "shrink"}, {"mode": "drop", "dropped": -1}, {"mode": "drop", "summary": 3}, "drop"],
+)
+def test_a_saved_fit_this_version_cannot_read_is_no_fit(saved: object) -> None:
+    assert ContextFit.from_json(saved) is None  # type: ignore[arg-type]
+    fit = ContextFit("summarise", dropped=2, summary="They met.")
+    assert ContextFit.from_json(fit.to_json()) == fit
 
 
 def test_fit_messages_keeps_the_system_prompt_and_the_new_question() -> None:

@@ -110,6 +110,8 @@ class Session:
     archived: bool
     draft: str = ""
     """What was typed in the pane's prompt and not sent."""
+    context_fit: dict[str, Any] | None = None
+    """How the chat's prompts leave old turns out once it outgrew the context (tui/context_fit.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -336,6 +336,7 @@ class HistoryStore:
             "selected_leaf_id",
             "archived",
             "draft",
+            "context_fit",
         )
     )
     _MESSAGE_FIELDS: Final = (
@@ -360,11 +361,12 @@ class HistoryStore:
     @staticmethod
     def _session(row: tuple[Any, ...]) -> Session:
         # The columns of _SESSION_COLUMNS in order: seven plain ones, then sampling JSON, the backend's
-        # four, the shown leaf, the archived flag and the draft.
+        # four, the shown leaf, the archived flag, the draft and the context fit's JSON.
         plain = cast("tuple[int, str, float, float, int, str | None, str]", row[:7])
-        sampling, kind, url, endpoint, api_key, leaf, archived, draft = row[7:]
+        sampling, kind, url, endpoint, api_key, leaf, archived, draft, fit = row[7:]
         backend = Backend(kind, url, endpoint, api_key)
-        return Session(*plain, json.loads(sampling), backend, leaf, bool(archived), draft)
+        context_fit = json.loads(fit) if fit else None
+        return Session(*plain, json.loads(sampling), backend, leaf, bool(archived), draft, context_fit)
 
     @staticmethod
     def _message(row: tuple[Any, ...]) -> Message:
@@ -447,11 +449,14 @@ class HistoryStore:
         backend: Backend = _UNSET,
         archived: bool = _UNSET,
         draft: str = _UNSET,
+        context_fit: Mapping[str, Any] | None = _UNSET,
     ) -> Session:
         """Change only the fields given. Archiving or restoring moves the session to the end."""
         changes: dict[str, Any] = {}
         if draft is not _UNSET:
             changes["draft"] = draft
+        if context_fit is not _UNSET:
+            changes["context_fit"] = None if context_fit is None else json.dumps(dict(context_fit))
         if title is not _UNSET:
             changes["title"] = title
         if model is not _UNSET:

@@ -3,12 +3,14 @@
 A long chat eventually asks for more tokens than the model's context holds, and the engine refuses
 it. Rather than fail every later message, the pane offers (screens/context_full.py) to leave the
 oldest exchanges out of the prompt, or to replace them with a summary the model writes; the history
-keeps every message either way. What was chosen stays in force for the pane's later messages.
+keeps every message either way. What was chosen stays in force for the pane's later messages, and is
+saved with the session, so a restart does not ask again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 CONTEXT_ERROR_START = "This model's maximum context length is"
 """How the engine and OpenAI-compatible servers word a prompt too long for the context."""
@@ -37,6 +39,19 @@ class ContextFit:
     def more(self) -> ContextFit:
         """One more exchange left out (its summary, if any, is stale until written again)."""
         return replace(self, dropped=self.dropped + 1, summary="")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, saved: dict[str, Any] | None) -> ContextFit | None:
+        """The fit a session saved, or None (nothing saved, or a record this version cannot read)."""
+        if not isinstance(saved, dict) or saved.get("mode") not in ("drop", "summarise"):
+            return None
+        dropped, summary = saved.get("dropped", 0), saved.get("summary", "")
+        if not isinstance(dropped, int) or dropped < 0 or not isinstance(summary, str):
+            return None
+        return cls(saved["mode"], dropped, summary)
 
 
 def split_messages(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], list[list[dict[str, str]]]]:

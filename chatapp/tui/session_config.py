@@ -74,6 +74,8 @@ class SessionConfig:
     db_id: int | None = None
     draft: str = ""
     """The unsent prompt text saved with the session (restored into the pane's prompt)."""
+    context_fit: dict[str, Any] | None = None
+    """The saved context fit (see tui/context_fit.py), restored into the pane."""
 
     @classmethod
     def from_session(cls, session: Session) -> SessionConfig:
@@ -85,6 +87,7 @@ class SessionConfig:
             session.backend,
             session.id,
             session.draft,
+            session.context_fit,
         )
 
     @property

@@ -115,8 +115,7 @@ class ChatPane(Vertical):
         self.selected: Node | None = None
         """The message cursor: the message the message actions act on (None: the last one of its kind)."""
         self._code_copied: tuple[Node, int] | None = None  # the code block Alt+C copied last
-        self.context_fit: ContextFit | None = None
-        """Set once the chat outgrew the context: how its prompts leave old turns out (context_fit.py)."""
+        self._context_fit = ContextFit.from_json(config.context_fit)
         self._context_full: str | None = None  # the context error of the answer just ended
 
     # -- layout -------------------------------------------------------------------------------
@@ -178,6 +177,20 @@ class ChatPane(Vertical):
             context = None if self.config.is_remote else self.services.local_context_length(self.config.model)
             self.border_subtitle += f" · {used:,}" + (f"/{context:,}" if context else "") + " tokens"
         self.post_message(self.Changed(self))
+
+    @property
+    def context_fit(self) -> ContextFit | None:
+        """Set once the chat outgrew the context: how its prompts leave old turns out (context_fit.py).
+        Saved with the session whenever it changes."""
+        return self._context_fit
+
+    @context_fit.setter
+    def context_fit(self, fit: ContextFit | None) -> None:
+        if fit == self._context_fit:
+            return
+        self._context_fit = fit
+        self.config.context_fit = None if fit is None else fit.to_json()
+        self.services.recorder.update_session(self.config.db_id, context_fit=self.config.context_fit)
 
     def model_name(self) -> str | None:
         """The model this pane's answers come from: its own, else the local engine's default one."""
