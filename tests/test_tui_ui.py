@@ -94,6 +94,10 @@ async def test_an_answer_can_be_selected_with_the_mouse_and_copied_as_drawn(tmp_
         assert drawn_text(chunk) == drawn  # the same characters, "Here" now drawn as selected
         selected = {segment.text: segment.style for segment in chunk.render_line(0)}
         assert selected["Here"] != unselected.get("Here", unselected.get("Here you go:"))
+        # A selection that starts past a line's end (from a drag across widgets) draws and copies too.
+        screen.selections = {chunk: Selection(Offset(500, 0), Offset(3, 2))}
+        await pilot.pause()
+        assert len(chunk.render_line(0).text) <= chunk.size.width and screen.get_selected_text() is not None
 
 
 async def test_two_panes_stream_at_the_same_time(tmp_path: Path) -> None:

@@ -79,12 +79,12 @@ class MarkdownVisual(RichVisual):
             strip = Strip(list(Segment.apply_style(line, base)))
             span = selection.get_span(y) if selection is not None else None
             if span is not None and selected is not None:  # (the mouse selection, drawn over the text)
-                start, end = span
-                before, chosen, after = strip.divide(
-                    [start, strip.cell_length if end == -1 else end, strip.cell_length]
-                )
-                over = Strip(list(Segment.apply_style(chosen, post_style=selected.rich_style)))
-                strip = Strip.join([before, over, after])
+                length = strip.cell_length  # (a line is not padded: a selection may start past its end)
+                start, end = min(span[0], length), length if span[1] == -1 else min(span[1], length)
+                if start < end:
+                    before, chosen, after = strip.divide([start, end, length])
+                    over = Strip(list(Segment.apply_style(chosen, post_style=selected.rich_style)))
+                    strip = Strip.join([before, over, after])
             strips.append(strip)
         return strips
 
