@@ -92,6 +92,16 @@ def test_a_saved_fit_this_version_cannot_read_is_no_fit(saved: object) -> None:
     assert ContextFit.from_json(fit.to_json()) == fit
 
 
+def test_a_fit_that_counts_more_exchanges_than_the_branch_has_keeps_the_question() -> None:
+    """A fit saved on a longer branch (or in an earlier run) never leaves out the new question."""
+    messages = [
+        {"role": "user", "content": "old"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "new"},
+    ]
+    assert fit_messages(messages, ContextFit("drop", dropped=5)) == messages[2:]
+
+
 def test_fit_messages_keeps_the_system_prompt_and_the_new_question() -> None:
     chat = [
         {"role": "system", "content": "Be brief."},

@@ -473,13 +473,38 @@ async def test_session_settings_set_every_sampling_parameter(tmp_path: Path) -> 
     assert sampling["stop"] == stops and sampling["min_p"] == 0.05
 
 
-@pytest.mark.parametrize("stop", ["\n\n", " ", "  x ", "a\\nb", "\\", "tab\there", "###", "é\r\n", "\\s"])
+@pytest.mark.parametrize(
+    "stop",
+    [
+        "\n\n",
+        " ",
+        "  x ",
+        "a\\nb",
+        "\\",
+        "tab\there",
+        "###",
+        "é\r\n",
+        "\\s",
+        "a\u2028b",
+        "\u00a0",
+        "x\u3000",
+        "\x85",
+        "\x0c",
+    ],
+)
 def test_a_stop_string_is_one_line_of_the_form_and_back(stop: str) -> None:
     from chatapp.tui.session_config import parse_stop_line, stop_line
 
     line = stop_line(stop)
     assert "\n" not in line and line == line.strip()  # one line, nothing for the form's trim to lose
     assert parse_stop_line(line) == stop
+
+
+def test_a_stop_line_naming_half_a_character_is_refused() -> None:
+    from chatapp.tui.session_config import SessionConfigError, parse_stop_line
+
+    with pytest.raises(SessionConfigError, match="surrogate"):
+        parse_stop_line("\\ud800")
 
 
 async def test_each_pane_shows_the_context_it_uses(tmp_path: Path) -> None:

@@ -62,8 +62,9 @@ async def test_finished_blocks_go_to_the_markdown_and_only_the_block_being_writt
         assert view.body.source == "Intro line.\n\n- first\n- second\n\n"
         chunks = view.body.query(MarkdownChunk)
         assert chunks and "".join(c.source for c in chunks) == view.body.source
+        await pilot.pause(0.1)  # (the frame that lays out what the tick mounted)
         drawn = drawn_text(view.body)
-        assert "• first" in drawn and "- first" not in drawn  # the finished list drawn as Markdown
+        assert "• first" in drawn and "- first" not in drawn, drawn  # the finished list drawn as Markdown
         assert "```python" not in drawn and "x = 1" in drawn  # the open fence drawn as code already
         assert view.body.tail.display and view.body.tail.text == "```python\nx = 1\n"
 
@@ -191,3 +192,53 @@ async def test_chunks_and_the_tail_are_spaced_like_one_markdown_document() -> No
     assert [line.strip() for line in streamed if line.strip()] == ["Intro.", "• a", "• b", "1 one", "2 two"]
     assert streamed[: len(whole)] == whole and not any(line.strip() for line in streamed[len(whole) :])
     assert [line.strip() for line in whole[:7]] == ["Intro.", "", "• a", "• b", "", "1 one", "2 two"]
+
+
+async def test_a_continued_answer_cut_inside_a_block_draws_that_block_as_still_being_written() -> None:
+    """Continuing an answer cut mid-way through a code block: the cut block goes back to the tail,
+    so the continuation closes the fence it opened rather than starting a paragraph of its own."""
+    from textual.app import App, ComposeResult
+
+    from chatapp.tui.conversation import Branch, Node
+    from chatapp.tui.widgets.message_view import MessageView
+
+    cut = "Intro.\n\n```python\nprint(1)\n"
+    view = MessageView(Node("assistant", cut, truncated=True), Branch(0, 1))
+
+    class Host(App[None]):
+        def compose(self) -> ComposeResult:
+            yield view
+
+    async with Host().run_test(size=(60, 30)) as pilot:
+        assert view.body.source == cut  # one chunk, as a finished message is drawn
+        await view.begin_stream()
+        assert view.body.source == "Intro.\n\n" and view.body.tail.text == "```python\nprint(1)\n"
+        appending = view.stream("print(2)\n```\n\nDone")
+        if appending is not None:
+            await appending
+        await pilot.pause()
+        chunks = [chunk.source for chunk in view.body.query(MarkdownChunk)]
+        assert chunks == ["Intro.\n\n", "```python\nprint(1)\nprint(2)\n```\n\n"]
+        drawn = drawn_text(view.body)
+        assert "```" not in drawn and "print(2)" in drawn and "Done" in drawn
+        assert view.shown_text == cut + "print(2)\n```\n\nDone"
+        await view.end_stream(view.shown_text)
+        assert view.shown_text == cut + "print(2)\n```\n\nDone" and len(view.body.query(MarkdownChunk)) == 1
+
+
+async def test_whitespace_alone_makes_no_chunk_and_no_gap() -> None:
+    from textual.app import App, ComposeResult
+
+    from chatapp.tui.widgets.markdown_text import MarkdownText
+
+    class Host(App[None]):
+        def compose(self) -> ComposeResult:
+            yield MarkdownText()
+
+    async with Host().run_test(size=(40, 20)) as pilot:
+        body = pilot.app.query_one(MarkdownText)
+        await body.append("\n\n")  # an answer that starts with blank lines
+        await body.append("One.\n\n")
+        body.set_tail("Two")
+        await pilot.pause()
+        assert [line.strip() for line in drawn_text(body).splitlines()][:3] == ["One.", "", "Two"]

@@ -85,6 +85,10 @@ async def test_an_answer_can_be_selected_with_the_mouse_and_copied_as_drawn(tmp_
         drawn = drawn_text(chunk)
         unselected = {segment.text: segment.style for segment in chunk.render_line(0)}
         screen = app.screen
+        # A drag inside the answer knows where it is (as over any text of the app), so part of it can
+        # be selected; without it the whole answer was the only thing a drag could select.
+        widget, at = screen.get_widget_and_offset_at(chunk.region.x + 2, chunk.region.y)
+        assert widget is chunk and at == Offset(2, 0)
         screen.selections = {chunk: Selection(None, None)}  # (what a drag over all of it leaves)
         everything = screen.get_selected_text()
         assert everything is not None and "def add(a, b):" in everything and "That is all." in everything

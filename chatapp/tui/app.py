@@ -459,6 +459,12 @@ class ChatApp(App[None]):
 
     @work(group="server", exclusive=True, exit_on_error=False)
     async def action_toggle_server(self) -> None:
+        if self._server is None and self._api_elsewhere is not None:
+            self._api_elsewhere = None  # (another window's port: this one stops showing it)
+            self._remember_api_port(False)
+            self.notify("This window no longer uses the other window's API port (F9 there turns it off).")
+            await self._poll_engine()
+            return
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop()

@@ -84,7 +84,10 @@ def fit_messages(messages: list[dict[str, str]], fit: ContextFit | None) -> list
     if fit is None or fit.dropped == 0:
         return messages
     head, exchanges = split_messages(messages)
-    kept = [m for exchange in exchanges[fit.dropped :] for m in exchange]
+    # (Never the last exchange, which holds the new question: a fit saved on a longer branch, or in an
+    # earlier run, may count more exchanges than the branch shown now has.)
+    dropped = min(fit.dropped, max(len(exchanges) - 1, 0))
+    kept = [m for exchange in exchanges[dropped:] for m in exchange]
     if fit.mode == "summarise" and fit.summary:
         note = f"{SUMMARY_INTRO}\n{fit.summary}"
         if head:

@@ -35,12 +35,26 @@ def stop_line(stop: str) -> str:
     """A stop string as one line of the form: a newline, tab or return written \\n, \\t, \\r, a
     backslash \\\\, and spaces that begin or end it \\s (the form trims its lines), so that "\\n\\n"
     (a blank line, a common stop) can be written at all."""
-    text = stop.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+    text = "".join(_escaped(character) for character in stop)
     core = text.strip(" ")
     if not core:
         return "\\s" * len(text)
     lead, trail = len(text) - len(text.lstrip(" ")), len(text) - len(text.rstrip(" "))
     return "\\s" * lead + core + "\\s" * trail
+
+
+def _escaped(character: str) -> str:
+    """One character of a stop string as the form writes it: itself, unless the form's lines would
+    split or trim it, or it cannot be seen."""
+    if character == "\\":
+        return "\\\\"
+    simple = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(character)
+    if simple is not None:
+        return simple
+    if character == " " or (character.isprintable() and not character.isspace()):
+        return character
+    code = ord(character)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else character
 
 
 def parse_stop_line(line: str) -> str:
@@ -51,7 +65,10 @@ def parse_stop_line(line: str) -> str:
         simple, byte, unit = match.groups()
         if simple:
             return _ESCAPES[simple]
-        return chr(int(byte or unit, 16))
+        code = int(byte or unit, 16)
+        if 0xD800 <= code <= 0xDFFF:
+            raise SessionConfigError(f"stop string {line.strip()!r}: \\u{code:04x} is half a character (a surrogate)")
+        return chr(code)
 
     return _ESCAPE.sub(one, line.strip())
 

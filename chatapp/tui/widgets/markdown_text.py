@@ -12,6 +12,7 @@ chunks are drawn again as one.
 
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.markdown import Markdown as RichMarkdown
 from rich.segment import Segment
 from rich.text import Text
@@ -76,11 +77,13 @@ class MarkdownVisual(RichVisual):
         selection, selected = options.selection, options.selection_style
         strips = []
         for y, line in enumerate(self._lines_at(width)[:height]):
-            strip = Strip(list(Segment.apply_style(line, base)))
+            # Offsets (character positions, as Textual's own text has) let a drag select part of a line.
+            strip = Strip(list(Segment.apply_style(line, base))).apply_offsets(0, y)
             span = selection.get_span(y) if selection is not None else None
             if span is not None and selected is not None:  # (the mouse selection, drawn over the text)
-                length = strip.cell_length  # (a line is not padded: a selection may start past its end)
-                start, end = min(span[0], length), length if span[1] == -1 else min(span[1], length)
+                text, length = "".join(segment.text for segment in line), strip.cell_length
+                start = min(cell_len(text[: span[0]]), length)  # (characters to cells: wide ones take two)
+                end = length if span[1] == -1 else min(cell_len(text[: span[1]]), length)
                 if start < end:
                     before, chosen, after = strip.divide([start, end, length])
                     over = Strip(list(Segment.apply_style(chosen, post_style=selected.rich_style)))
@@ -109,6 +112,7 @@ class MarkdownChunk(_SelectableMarkdown):
     def __init__(self, source: str, *, follows: bool) -> None:
         super().__init__(classes="md-chunk follows" if follows else "md-chunk")
         self.source = source
+        self.display = bool(source.strip())  # (blank lines alone draw nothing, and take no margin)
         self.update(MarkdownVisual(self, source))
 
 
@@ -163,12 +167,15 @@ class MarkdownText(Vertical):
 
     def set_tail(self, text: str) -> None:
         """Show ``text`` (the block still being written) below the chunks."""
-        self.tail.show(text, follows=bool(self.query_children(MarkdownChunk)))
+        self.tail.show(text, follows=self._drawn_above())
 
     def append(self, source: str) -> AwaitComplete:
         """Draw ``source`` (whole blocks) as Markdown after what is there, above the tail."""
-        follows = bool(self.query_children(MarkdownChunk))
-        return AwaitComplete(self.mount(MarkdownChunk(source, follows=follows), before=self.tail))
+        return AwaitComplete(self.mount(MarkdownChunk(source, follows=self._drawn_above()), before=self.tail))
+
+    def _drawn_above(self) -> bool:
+        """Whether a chunk with text is drawn already (what comes next is spaced from it)."""
+        return any(chunk.source.strip() for chunk in self.query_children(MarkdownChunk))
 
     def update(self, source: str) -> AwaitComplete:
         """Draw ``source`` as the whole message, in one chunk (no tail)."""

@@ -74,8 +74,14 @@ class MessageView(Vertical):
         return self.body.source
 
     async def begin_stream(self) -> None:
-        """Streamed text comes next (after what the body shows: a continuation extends it)."""
-        self._streamed = self.body.source
+        """Streamed text comes next (after what the body shows: a continuation extends it, and its last
+        block, which may be cut mid-way, goes back to being the block being written)."""
+        source = self.body.source
+        settled = settled_length(source)
+        if settled < len(source):
+            await self.body.update(source[:settled])
+            self.body.set_tail(source[settled:])
+        self._streamed = source
 
     def stream(self, text: str) -> AwaitComplete | None:
         """Show ``text`` more of the answer, without awaiting (the stream clock calls this for every
@@ -101,8 +107,8 @@ class MessageView(Vertical):
         if self._appending is not None:
             await self._appending
             self._appending = None
-        self._streamed = None
         await self.body.update(shown)
+        self._streamed = None  # (after: until the new chunk is in, the text shown is the streamed one)
 
     def _thinking(self, text: str) -> Collapsible:
         """The think block, folded under a title (Enter or a click opens it)."""
