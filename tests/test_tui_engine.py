@@ -235,6 +235,8 @@ async def test_compare_mode_on_two_models_of_the_one_engine(
         for i in (0, 1):
             main_screen(app).focus_pane(i)
             await pilot.press("alt+m")
+            await wait_for(pilot, lambda: panes(app)[i].compare, f"pane {i} marked")  # noqa: B023
+        assert first.compare and second.compare
         await send(pilot, first, PROMPTS[0])
         try:
             await wait_for(pilot, lambda: answered(first) and answered(second), "both answers", steps=3000)
