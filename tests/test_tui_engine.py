@@ -233,9 +233,13 @@ async def test_compare_mode_on_two_models_of_the_one_engine(
         second = panes(app)[1]
         await wait_for(pilot, lambda: "tiny-llama" in str(second.border_subtitle), "its model shown", steps=3000)
         for i in (0, 1):
+            pane = panes(app)[i]
             main_screen(app).focus_pane(i)
+            # (Alt+M acts on the active pane: wait until the move has settled, focus included. A key
+            # pressed before that could act on the pane just left: see the closing note of this stop.)
+            await wait_for(pilot, lambda: pane.prompt.has_focus and main_screen(app).active_pane is pane, "moved")  # noqa: B023
             await pilot.press("alt+m")
-            await wait_for(pilot, lambda: panes(app)[i].compare, f"pane {i} marked")  # noqa: B023
+            await wait_for(pilot, lambda: pane.compare, f"pane {i} marked")  # noqa: B023
         assert first.compare and second.compare
         await send(pilot, first, PROMPTS[0])
         try:

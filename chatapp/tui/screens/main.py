@@ -113,10 +113,7 @@ class MainScreen(Screen[None]):
             return
         self.active = index % len(panes)
         self._layout()
-        # Focus moves now, not on a later callback: a Changed message of the pane that had focus,
-        # handled in between, made that pane active again (a key right after, such as Alt+M, then
-        # acted on the pane just left).
-        self.set_focus(self.panes[self.active].prompt)
+        self.panes[self.active].prompt.focus()
 
     @on(ChatPane.Changed)
     def _pane_changed(self, event: ChatPane.Changed) -> None:
