@@ -46,6 +46,16 @@ def pair(tmp_path_factory):
     return TextTokenizer(prepare_tokenizer_files(bundled_gguf_path())), load_hf_tokenizer(bundled_gguf_path())
 
 
+def tokenizer_with_template(hf, directory: Path, template: str) -> Path:  # noqa: ANN001
+    """The bundled tokenizer's files in ``directory``, with ``template`` as its chat template."""
+    hf.save_pretrained(str(directory))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    return directory
+
+
 def test_encode_decode_and_length_match_transformers(pair) -> None:
     ours, hf = pair
     assert len(ours) == len(hf)
@@ -78,12 +88,7 @@ def test_template_features_hub_templates_use(pair, tmp_path: Path) -> None:
         "{% if tools is defined and tools is not none %}TOOLS{% endif %}"
         "{% if add_generation_prompt %}[assistant]{{ eos_token }}{% endif %}"
     )
-    directory = tmp_path / "tok"
-    hf.save_pretrained(str(directory))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = template
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    directory = tokenizer_with_template(hf, tmp_path / "tok", template)
     ours = TextTokenizer(directory)
     from transformers import AutoTokenizer
 
@@ -184,13 +189,7 @@ def test_an_answer_whose_think_block_the_template_moves_is_continued_as_written(
     the rendered conversation: continuing it opens the turn after the generation prompt with the text
     exactly as the model wrote it (think block and all), where it once failed."""
     _, hf = pair
-    directory = tmp_path / "qwen3-style"
-    hf.save_pretrained(str(directory))
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN3_STYLE_TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    (directory / "chat_template.jinja").unlink(missing_ok=True)
-    tokenizer = Tokenizer(directory)
+    tokenizer = Tokenizer(tokenizer_with_template(hf, tmp_path / "qwen3-style", QWEN3_STYLE_TEMPLATE))
     question = {"role": "user", "content": "Why is the sky blue?"}
     written = "<think>\nShort answer wanted.\n</think>\n\nRayleigh scattering makes"
     ids = tokenizer.render_chat([question, {"role": "assistant", "content": written}], continue_final_message=True)
