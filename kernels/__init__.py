@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from .attention import TilePlan, paged_attention, plan_tiles  # noqa: E402
+from .attention import TilePlan, decode_plan, paged_attention, plan_tiles  # noqa: E402
 from .cache_store import store_kv  # noqa: E402
 
-__all__ = ["TilePlan", "paged_attention", "plan_tiles", "store_kv"]
+__all__ = ["TilePlan", "decode_plan", "paged_attention", "plan_tiles", "store_kv"]

@@ -86,6 +86,17 @@ def plan_tiles(
     return TilePlan(as_tensor(tile_req), as_tensor(tile_q0), group, block_m, tile_n)
 
 
+def decode_plan(tile_req: torch.Tensor, tile_q0: torch.Tensor, group: int) -> TilePlan:
+    """The plan of a decode-only batch from tensors the caller keeps: one tile per request.
+
+    A decode has one query token, so request ``i`` is tile ``i`` from token 0 whatever the tile
+    shape: ``tile_req`` is ``0..B-1`` and ``tile_q0`` zeros. The CUDA-graph runner passes slices of
+    fixed tensors here, so a replayed graph reads a plan no step has to rebuild.
+    """
+    block_m = max(DECODE_BLOCK_M, triton.next_power_of_2(group))
+    return TilePlan(tile_req, tile_q0, group, block_m, DECODE_TILE_N)
+
+
 @triton.jit
 def _paged_attention_kernel(
     q_ptr,

@@ -1,7 +1,8 @@
-"""Triton kernels against plain torch references, run by Triton's interpreter on the CPU.
+"""Triton kernels against plain torch references: compiled on a GPU, else in Triton's interpreter.
 
 Importing ``chatapp.kernels`` without a GPU turns on ``TRITON_INTERPRET``, so
-these tests need no GPU. Shapes are small because the interpreter is slow;
+these tests need no GPU (CI runs them so); on a machine with one, the same tests
+run the compiled kernels on it. Shapes are small because the interpreter is slow;
 they still cover mixed decode/prefill batches, cached prefixes, partly filled
 last blocks, shuffled block tables, GQA and every supported dtype.
 """
@@ -19,6 +20,8 @@ import torch
 from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend
 from chatapp.engine.attention_triton import TritonAttentionBackend
 from chatapp.kernels import paged_attention, plan_tiles, store_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels need GPU tensors
 
 # (query_len, seq_len) per request, decodes first as the model runner orders them:
 # four decodes (one ending exactly on a block boundary for block sizes <= 64, one
@@ -96,7 +99,11 @@ def make_batch(
     )
     # Scaled queries make the softmax peaked, so a wrong mask or position shows.
     q = 2 * randn(num_tokens, num_kv_heads * group, head_dim)
-    return Batch(q, kv[:, 0], kv[:, 1], randn(*cache_shape), randn(*cache_shape), meta, group)
+    if DEVICE != "cpu":
+        kv, q = kv.to(DEVICE), q.to(DEVICE)
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            setattr(meta, name, getattr(meta, name).to(DEVICE))
+    return Batch(q, kv[:, 0], kv[:, 1], randn(*cache_shape).to(DEVICE), randn(*cache_shape).to(DEVICE), meta, group)
 
 
 def naive_store(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,16 +118,17 @@ def naive_store(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def naive_attention(batch: Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """Causal GQA attention one request at a time, in fp32, gathering keys block by block."""
+    """Causal GQA attention one request at a time, in fp32, gathering keys block by block (on the CPU)."""
     meta = batch.meta
+    k_cache, v_cache = k_cache.cpu(), v_cache.cpu()
     block_size = k_cache.shape[1]
     outs = []
     start = 0
     for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        blocks = meta.block_tables[b, : -(-seq_len // block_size)].long()
+        blocks = meta.block_tables[b, : -(-seq_len // block_size)].long().cpu()
         keys = k_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(batch.group, dim=1)  # [S, H, D]
         values = v_cache[blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(batch.group, dim=1)
-        q = batch.q[start : start + q_len].float()  # [Q, H, D]
+        q = batch.q[start : start + q_len].float().cpu()  # [Q, H, D]
         scores = torch.einsum("qhd,khd->hqk", q, keys) * batch.head_dim**-0.5
         q_pos = torch.arange(seq_len - q_len, seq_len)
         visible = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [Q, S]
@@ -133,7 +141,7 @@ def naive_attention(batch: Batch, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert expected.float().abs().mean() > 0.1, "reference output is near zero: the comparison would prove nothing"
     atol, rtol = TOLERANCE[actual.dtype]
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
 
 
 # --- store KV -------------------------------------------------------------------------------------
@@ -190,11 +198,11 @@ def test_paged_attention_matches_naive_reference(
     lens, nd, nr = meta.query_lens_cpu, meta.num_decodes, meta.num_requests
     if tiles == "engine":
         plans = [
-            plan_tiles(lens, range(0, nd), group, "cpu", block_m=16, tile_n=64),
-            plan_tiles(lens, range(nd, nr), group, "cpu", block_m=64, tile_n=64),
+            plan_tiles(lens, range(0, nd), group, DEVICE, block_m=16, tile_n=64),
+            plan_tiles(lens, range(nd, nr), group, DEVICE, block_m=64, tile_n=64),
         ]
     else:
-        plans = [plan_tiles(lens, range(nr), group, "cpu", block_m=16, tile_n=16)]
+        plans = [plan_tiles(lens, range(nr), group, DEVICE, block_m=16, tile_n=16)]
     out = torch.full_like(batch.q, float("nan"))  # every row must be written
 
     for plan in plans:
@@ -301,7 +309,8 @@ def _generate(model_dir, backend: str) -> tuple[list[list[int]], list[int], int]
     # Float32 linears: int8's per-token rounding would amplify the backends' last-bit differences.
     llm = LLM(
         model=str(model_dir),
-        device="cpu",
+        device=DEVICE,
+        dtype="float32",
         attention_backend=backend,
         block_size=16,
         num_kv_blocks=64,

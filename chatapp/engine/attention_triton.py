@@ -17,21 +17,27 @@ from __future__ import annotations
 import torch
 
 from chatapp.engine.attention import AttentionMetadata
-from chatapp.kernels import TilePlan, paged_attention, plan_tiles, store_kv
+from chatapp.kernels import TilePlan, decode_plan, paged_attention, plan_tiles, store_kv
 from chatapp.kernels.attention import DECODE_BLOCK_M, DECODE_TILE_N, PREFILL_BLOCK_M, PREFILL_TILE_N
 
 
 class TritonAttentionBackend:
     """Paged attention with Triton kernels: store the step's KV, then attend decodes and prefill chunks."""
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        num_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+    ) -> None:
         self.kv_caches = kv_caches
         self.num_heads = num_heads
         self.num_kv_heads = kv_caches[0][0].shape[2]
         if num_heads % self.num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {self.num_kv_heads} KV heads evenly")
         self.group = num_heads // self.num_kv_heads
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self._meta: AttentionMetadata | None = None
         self._plans: list[TilePlan] = []
 
@@ -47,6 +53,16 @@ class TritonAttentionBackend:
         )
         self._plans = [plan for plan in (decode, prefill) if plan is not None]
         self._num_tokens = sum(meta.query_lens_cpu)
+
+    def begin_decode_step(self, meta: AttentionMetadata, tile_req: torch.Tensor, tile_q0: torch.Tensor) -> None:
+        """A decode-only step whose one-tile-per-request plan lives in the caller's tensors.
+
+        For CUDA graphs: nothing here allocates or copies, so a captured forward keeps reading
+        the same plan, metadata and caches on every replay; every row is a request's token.
+        """
+        self._meta = meta
+        self._plans = [decode_plan(tile_req, tile_q0, self.group)]
+        self._num_tokens = meta.num_requests
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self._meta

@@ -67,6 +67,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     """auto (triton on CUDA, torch on the CPU), torch or triton."""
+    cuda_graphs: bool = True
+    """On a GPU, replay decode steps from CUDA graphs captured at start (cuda_graphs.py); False runs
+    every step eagerly (vLLM's enforce_eager), for debugging."""
     cpu_kernels: bool = True
     """On the CPU in float32, run the model through our C++ layer loop (built on first use)."""
     quantization: str | None = "auto"
@@ -153,6 +156,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             attention_backend=backend,
             cpu_kernels=self.cpu_kernels,
+            cuda_graphs=self.cuda_graphs and on_gpu,
             quantization=quantization,
             stream_interval_ms=self.stream_interval_ms,
             num_threads=self.num_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1,
@@ -189,6 +193,7 @@ class ResolvedConfig:
     attention_backend: str
     """torch or triton."""
     cpu_kernels: bool
+    cuda_graphs: bool
     quantization: str | None
     """auto (the runner decides on the CPU), gguf, int4, int8 or None; after loading, what was applied."""
     stream_interval_ms: float

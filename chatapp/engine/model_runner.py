@@ -22,6 +22,7 @@ import torch
 from chatapp.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, layer_attention
 from chatapp.engine.config import ResolvedConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
+from chatapp.engine.cuda_graphs import DecodeGraphs, DecodeLayout
 from chatapp.engine.memory import return_freed_memory
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.llama import LlamaForCausalLM
@@ -123,6 +124,11 @@ class ModelRunner:
             weight_bytes = self.weight_bytes = self._weight_bytes(source, ext)
             self.num_blocks = self._choose_num_blocks(weight_bytes)
             check_fits(weight_bytes, self.num_blocks * self.bytes_per_block(), self.mc)
+        if self.device.type == "cuda":
+            # What neither this model nor torch's allocator holds: other programs, the CUDA context.
+            # (This process's other models are in the profile's peak, which counts every tensor.)
+            free, total = torch.cuda.mem_get_info()
+            self._gpu_used_outside_torch = total - free - torch.cuda.memory_reserved()
         start = time.perf_counter()
         self.model = self._load(source, ext)
         log.info(
@@ -134,6 +140,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
         self.cpu_forward = self._build_cpu_forward(ext)
         self.attn: AttentionBackend | None = None if self.cpu_forward is not None else self._make_attention_backend()
+        self.decode_graphs = self._capture_decode_graphs()
 
     # -- set-up -------------------------------------------------------------
 
@@ -232,7 +239,12 @@ class ModelRunner:
         return max(1, min(wanted, int(spare * KV_SHARE_OF_FREE) // per_block))
 
     def _profile_gpu_blocks(self) -> int:
-        """Run a worst-case forward, then give the KV pool what memory is left."""
+        """Run a worst-case forward, then give the KV pool what is left of this engine's share.
+
+        The share is ``gpu_memory_utilization`` of the card less what others held before this model
+        loaded (other programs, or this engine's other models), so a second model never counts the
+        first's memory as free; ``kv_cache_memory_gib`` caps the pool as on the CPU.
+        """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         n = self.config.max_num_batched_tokens
@@ -259,11 +271,20 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated()
         del dummy_caches, backend, hidden
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        budget = total * self.config.gpu_memory_utilization - peak
+        total = torch.cuda.mem_get_info()[1]
+        budget = total * self.config.gpu_memory_utilization - self._gpu_used_outside_torch - peak
+        if self.config.kv_cache_memory_gib is not None:
+            budget = min(budget, self.config.kv_cache_memory_gib * 2**30)
         blocks = int(budget // self.bytes_per_block())
         if blocks < 1:
-            raise RuntimeError("not enough GPU memory left for the KV cache; lower max_num_batched_tokens")
+            gib = 2**30
+            raise ModelTooLargeError(
+                f"no GPU memory is left for the KV cache: this engine may use "
+                f"{self.config.gpu_memory_utilization:.0%} of {total / gib:.1f} GiB, others hold "
+                f"{self._gpu_used_outside_torch / gib:.1f} GiB and loaded weights and activations take "
+                f"{peak / gib:.1f} GiB; raise gpu_memory_utilization, lower max_num_batched_tokens, or pick a "
+                f"smaller model"
+            )
         return blocks
 
     def _allocate_kv_caches(
@@ -293,17 +314,34 @@ class ModelRunner:
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     ) -> AttentionBackend:
         kv_caches = kv_caches if kv_caches is not None else self.kv_caches
-        if self.config.attention_backend == "triton" and not any(self.mc.local_layers):  # no windows in Triton yet
+        layers = layer_attention(self.mc)
+        plain = all(spec.window is None and spec.softcap is None for spec in layers)
+        if self.config.attention_backend == "triton" and plain:  # no windows or soft-caps in Triton yet
             from chatapp.engine.attention_triton import TritonAttentionBackend
 
-            return TritonAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim)
-        return TorchAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim, layer_attention(self.mc))
+            return TritonAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim, layers[0].scale)
+        return TorchAttentionBackend(kv_caches, self.mc.num_heads, self.mc.head_dim, layers)
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of the decode forward (cuda_graphs.py says why), where they apply: on a GPU,
+        with the Triton backend (its decode plan needs no per-step tensors) and not turned off."""
+        from chatapp.engine.attention_triton import TritonAttentionBackend
+
+        if not self.config.cuda_graphs or not isinstance(self.attn, TritonAttentionBackend):
+            return None
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        with torch.inference_mode():
+            return DecodeGraphs(self.model, self.attn, self.config.max_num_seqs, max_blocks, self.device)
 
     # -- one step -----------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> StepResult:
         """Run one forward over the batch and sample where a request reached its end."""
+        if self.decode_graphs is not None and all(n == 1 for n in batch.num_new_tokens):
+            layout = self._decode_layout(batch, block_ids)
+            if layout is not None:
+                return self._execute_decode_graph(layout[0], layout[1])
         step = self._prepare(batch, block_ids)
         start = time.perf_counter()
         hidden = self._forward(step)
@@ -314,6 +352,39 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.logits_indices])
         forward_seconds = time.perf_counter() - start
         return StepResult(sampled_reqs, self.sampler(logits, sampled_reqs), forward_seconds, prompt_logprobs)
+
+    def _decode_layout(
+        self, batch: ScheduledBatch, block_ids: dict[str, list[int]]
+    ) -> tuple[list[Request], DecodeLayout] | None:
+        """A decode-only step as host arrays for the captured graphs, or None when none fits it."""
+        assert self.decode_graphs is not None
+        reqs = batch.requests
+        tables = [block_ids[r.request_id] for r in reqs]
+        width = max(len(t) for t in tables)
+        if not self.decode_graphs.fits(len(reqs), width) or len(batch.requests_to_sample()) != len(reqs):
+            return None
+        bs = self.block_size
+        positions = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
+        table_np = np.zeros((len(reqs), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table_np[i, : len(t)] = t
+        rows = np.arange(len(reqs))
+        layout = DecodeLayout(
+            token_ids=np.fromiter((r.all_token_ids[p] for r, p in zip(reqs, positions)), np.int64, len(reqs)),
+            positions=positions,
+            slots=table_np[rows, positions // bs].astype(np.int64) * bs + positions % bs,
+            seq_lens=(positions + 1).astype(np.int32),
+            block_tables=table_np,
+        )
+        return reqs, layout
+
+    def _execute_decode_graph(self, reqs: list[Request], layout: DecodeLayout) -> StepResult:
+        assert self.decode_graphs is not None
+        start = time.perf_counter()
+        hidden = self.decode_graphs.run(layout)
+        logits = self.model.compute_logits(hidden)
+        forward_seconds = time.perf_counter() - start
+        return StepResult(reqs, self.sampler(logits, reqs), forward_seconds)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, step: _PreparedStep) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Each asking request's prompt tokens scored by the positions before them in this chunk."""
