@@ -333,3 +333,95 @@ def test_engine_generates_the_same_tokens_with_both_backends(model: str, request
     assert len({tuple(ids) for ids in expected}) > 1, "a constant model would agree with any attention"
     assert cached > 0 and cached_triton == cached, "the last prompt must reuse cached prefix blocks"
     assert actual == expected
+
+
+# --- fused element-wise kernels against the torch formulas they replace ---------------------------
+
+FUSED_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_rms_norm_matches_the_model_norm_on_strided_rows(dtype: torch.dtype) -> None:
+    from chatapp.engine.models.llama import RMSNorm
+    from chatapp.kernels.fused import rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=gen) + 0.5)
+    norm = norm.to(DEVICE, dtype)
+    wide = (3 * torch.randn(7, 160, generator=gen)).to(DEVICE, dtype)
+    x = wide[:, 10:106]  # rows 160 apart, as a slice of a fused projection's output is
+
+    expected = _torch_rms_norm(x, norm.weight, 1e-5)
+    actual = rms_norm(x, norm.weight, 1e-5)
+
+    assert actual.dtype == dtype and actual.is_contiguous()
+    atol, rtol = FUSED_TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's RMSNorm formula (chatapp/engine/models/llama.py), in torch ops."""
+    import torch.nn.functional as F
+
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul_matches_swiglu(dtype: torch.dtype) -> None:
+    import torch.nn.functional as F
+
+    from chatapp.kernels.fused import silu_mul
+
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (4 * torch.randn(5, 2 * 1300, generator=gen)).to(DEVICE, dtype)  # n spans two 1024-wide programs
+    gate, up = gate_up.split(1300, dim=-1)
+
+    actual = silu_mul(gate_up)
+
+    atol, rtol = FUSED_TOLERANCE[dtype]
+    torch.testing.assert_close(actual.float().cpu(), (F.silu(gate) * up).float().cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_matches_rotate_in_place_on_a_projection_slice(dtype: torch.dtype) -> None:
+    from chatapp.engine.models.rope import RotaryEmbedding
+    from chatapp.kernels.fused import rope_
+
+    heads, kv_heads, head_dim, tokens = 6, 2, 64, 9
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype, torch.device(DEVICE))
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.tensor([0, 1, 2, 17, 300, 301, 4095, 5, 6], device=DEVICE)
+    table = rope.lookup(positions)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    expected = rope.rotate(qk, table)
+
+    rope_(qk, table[0][:, 0], table[1][:, 0])
+
+    atol, rtol = FUSED_TOLERANCE[dtype]
+    torch.testing.assert_close(qk.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before), "the values must be left alone"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_returns_the_rounded_sum_and_its_norm(dtype: torch.dtype) -> None:
+    from chatapp.kernels.fused import add_rms_norm
+
+    gen = torch.Generator().manual_seed(6)
+    x, a = (3 * torch.randn(2, 5, 96, generator=gen)).to(DEVICE, dtype)
+    weight = (torch.rand(96, generator=gen) + 0.5).to(DEVICE, dtype)
+
+    total, normed = add_rms_norm(x, a, weight, 1e-6)
+
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(total, x + a), "the residual stream must be exactly torch's sum"
+    else:  # Triton's interpreter narrows to bfloat16 by truncating, a GPU to nearest: within one unit
+        torch.testing.assert_close(total.float(), (x + a).float(), atol=0, rtol=2**-7)
+    atol, rtol = FUSED_TOLERANCE[dtype]
+    expected = _torch_rms_norm(x + a, weight, 1e-6)
+    torch.testing.assert_close(normed.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)

@@ -9,6 +9,7 @@ q/k/v and gate/up projections are fused into one matmul each.
 
 from __future__ import annotations
 
+import os
 from typing import cast
 
 import torch
@@ -20,6 +21,10 @@ from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.rope import RotaryEmbedding
 
 Device = torch.device | str | None
+
+# On a GPU, RMSNorm, SwiGLU's gate and RoPE run as one Triton kernel each (chatapp/kernels/fused.py
+# says why). CHATAPP_GPU_FUSED=0 runs the torch formulas instead, to compare or to debug.
+FUSED_GPU_KERNELS = os.environ.get("CHATAPP_GPU_FUSED", "1") != "0"
 Tables = tuple[torch.Tensor, torch.Tensor]  # a RoPE table's (cos, signed sin) for a step's positions
 
 
@@ -30,6 +35,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and FUSED_GPU_KERNELS and x.dim() == 2 and x.stride(-1) == 1:
+            from chatapp.kernels.fused import rms_norm
+
+            return cast(torch.Tensor, rms_norm(x, self.weight, self.eps))
         # One fused op; bit-identical to HF's x * rsqrt(mean(x^2) + eps) * w in float32.
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -67,7 +76,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             assert self.k_norm is not None  # set together in __init__
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        if self.use_rope:
+        if self.use_rope and qk.is_cuda and FUSED_GPU_KERNELS and rope.rotary_dim == self.head_dim:
+            from chatapp.kernels.fused import rope_
+
+            rope_(qk, table[0][:, 0], table[1][:, 0])  # in place: qk is this step's own projection
+        elif self.use_rope:
             qk = rope.rotate(qk, table)  # q and k in one go
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer, qk[:, : self.num_heads], qk[:, self.num_heads :], v)
@@ -85,7 +98,12 @@ class MLP(nn.Module):
         self.gelu = mc.is_gemma  # GeGLU (tanh-approximated GELU), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and FUSED_GPU_KERNELS and not self.gelu and gate_up.dim() == 2:
+            from chatapp.kernels.fused import silu_mul
+
+            return cast(torch.Tensor, self.down_proj(silu_mul(gate_up)))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return cast(torch.Tensor, self.down_proj(act * up))
 
@@ -173,9 +191,30 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
         tables = self.rope_tables(positions)  # once per step, shared by every layer
+        if x.is_cuda and FUSED_GPU_KERNELS and self._plain_layers():
+            return self._forward_fused_residual(x, tables[0], attn)
         for layer in self.layers:
             x = self.run_layer(layer, x, tables, attn)
         return cast(torch.Tensor, self.norm(x))
+
+    def _plain_layers(self) -> bool:
+        """Every layer is a plain DecoderLayer run the plain way (not Gemma's, with its extra norms)."""
+        return self.layer_class is DecoderLayer and type(self).run_layer is LlamaForCausalLM.run_layer
+
+    def _forward_fused_residual(self, x: torch.Tensor, table: Tables, attn: AttentionBackend) -> torch.Tensor:
+        """The same layers with each residual add fused into the norm that reads it (one kernel each
+        instead of two; chatapp/kernels/fused.py): the last layer's adds into the final norm."""
+        from chatapp.kernels.fused import add_rms_norm
+
+        assert self.rope is not None
+        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            post = layer.post_attention_layernorm
+            x, h = add_rms_norm(x, layer.self_attn(h, self.rope, table, attn), post.weight, post.eps)
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x, h = add_rms_norm(x, layer.mlp(h), after.weight, after.eps)
+        return cast(torch.Tensor, h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_lm_head is not None:
