@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 # common (one to a few chats), then steps of 16, so padding wastes at most 15 rows.
 CAPTURE_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, *range(16, 513, 16))
 
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """The batch sizes captured for an engine running at most ``max_batch`` requests at once."""
+    return [n for n in CAPTURE_SIZES if n <= max_batch] or [1]
+
+
 Forward = Callable[[torch.Tensor, torch.Tensor, TritonAttentionBackend], torch.Tensor]
 
 
@@ -114,7 +120,7 @@ class DecodeGraphs:
         max_blocks: int,
         device: torch.device,
     ) -> None:
-        self.sizes = [n for n in CAPTURE_SIZES if n <= max_batch]
+        self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.inputs = GraphInputs(self.max_batch, max_blocks, device)
         self._attn = attn

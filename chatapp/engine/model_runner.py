@@ -22,7 +22,7 @@ import torch
 from chatapp.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, layer_attention
 from chatapp.engine.config import ResolvedConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
-from chatapp.engine.cuda_graphs import DecodeGraphs, DecodeLayout
+from chatapp.engine.cuda_graphs import DecodeGraphs, DecodeLayout, GraphInputs, capture_sizes
 from chatapp.engine.memory import return_freed_memory
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.llama import LlamaForCausalLM
@@ -124,11 +124,6 @@ class ModelRunner:
             weight_bytes = self.weight_bytes = self._weight_bytes(source, ext)
             self.num_blocks = self._choose_num_blocks(weight_bytes)
             check_fits(weight_bytes, self.num_blocks * self.bytes_per_block(), self.mc)
-        if self.device.type == "cuda":
-            # What neither this model nor torch's allocator holds: other programs, the CUDA context.
-            # (This process's other models are in the profile's peak, which counts every tensor.)
-            free, total = torch.cuda.mem_get_info()
-            self._gpu_used_outside_torch = total - free - torch.cuda.memory_reserved()
         start = time.perf_counter()
         self.model = self._load(source, ext)
         log.info(
@@ -239,53 +234,78 @@ class ModelRunner:
         return max(1, min(wanted, int(spare * KV_SHARE_OF_FREE) // per_block))
 
     def _profile_gpu_blocks(self) -> int:
-        """Run a worst-case forward, then give the KV pool what is left of this engine's share.
+        """Run the worst-case steps, then give the KV pool what is left of this engine's share.
 
-        The share is ``gpu_memory_utilization`` of the card less what others held before this model
-        loaded (other programs, or this engine's other models), so a second model never counts the
-        first's memory as free; ``kv_cache_memory_gib`` caps the pool as on the CPU.
+        The share is ``gpu_memory_utilization`` of the card, and everything on the card once those
+        steps have run counts against it: other programs and this engine's other models, these
+        weights, the steps' activations (freed into torch's cache, where later steps reuse them)
+        and the library kernels the steps loaded (CUDA loads them lazily, on first use, outside
+        torch's allocator: counting torch's peak alone, an engine on an H100 came out 1 GiB over
+        its share). So a second model never counts the first's memory as free.
+        ``kv_cache_memory_gib`` caps the pool as on the CPU.
         """
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        n = self.config.max_num_batched_tokens
-        max_model_len, max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
         dummy_caches = self._allocate_kv_caches(1)
         backend = self._make_attention_backend(dummy_caches)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self._run_largest_prefill(backend)
+            self._run_decode_batch_sizes(backend)
+        torch.cuda.synchronize()
+        del dummy_caches, backend
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        budget = total * self.config.gpu_memory_utilization - used
+        if self.config.kv_cache_memory_gib is not None:
+            budget = min(budget, self.config.kv_cache_memory_gib * 2**30)
+        blocks = int(budget // self.bytes_per_block())
+        gib = 2**30
+        log.info(
+            "GPU memory: %.2f GiB in use after the worst-case steps (this step's peak %.2f GiB), KV pool %.2f GiB",
+            used / gib,
+            torch.cuda.max_memory_allocated() / gib,
+            max(blocks, 0) * self.bytes_per_block() / gib,
+        )
+        if blocks < 1:
+            raise ModelTooLargeError(
+                f"no GPU memory is left for the KV cache: this engine may use "
+                f"{self.config.gpu_memory_utilization:.0%} of {total / gib:.1f} GiB and {used / gib:.1f} GiB is "
+                f"in use with this model's weights and activations; raise gpu_memory_utilization, lower "
+                f"max_num_batched_tokens, or pick a smaller model"
+            )
+        return blocks
+
+    def _run_largest_prefill(self, backend: AttentionBackend) -> None:
+        """A step of max_num_batched_tokens prompt tokens, sampling as many rows as a step can."""
+        n = self.config.max_num_batched_tokens
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=self.device),
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(1, -(-n // self.block_size), dtype=torch.int32, device=dev),
             query_lens_cpu=[n],
             seq_lens_cpu=[n],
             num_decodes=0,
             max_query_len=n,
             max_seq_len=n,
         )
-        with torch.inference_mode():
-            backend.begin_step(meta)
-            hidden = self.model(ids, torch.arange(n, device=self.device) % max_model_len, backend)
-            self.model.compute_logits(hidden[-min(n, max_num_seqs) :])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del dummy_caches, backend, hidden
-        torch.cuda.empty_cache()
-        total = torch.cuda.mem_get_info()[1]
-        budget = total * self.config.gpu_memory_utilization - self._gpu_used_outside_torch - peak
-        if self.config.kv_cache_memory_gib is not None:
-            budget = min(budget, self.config.kv_cache_memory_gib * 2**30)
-        blocks = int(budget // self.bytes_per_block())
-        if blocks < 1:
-            gib = 2**30
-            raise ModelTooLargeError(
-                f"no GPU memory is left for the KV cache: this engine may use "
-                f"{self.config.gpu_memory_utilization:.0%} of {total / gib:.1f} GiB, others hold "
-                f"{self._gpu_used_outside_torch / gib:.1f} GiB and loaded weights and activations take "
-                f"{peak / gib:.1f} GiB; raise gpu_memory_utilization, lower max_num_batched_tokens, or pick a "
-                f"smaller model"
-            )
-        return blocks
+        backend.begin_step(meta)
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        hidden = self.model(ids, torch.arange(n, device=dev) % self.config.max_model_len, backend)
+        self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs) :])
+
+    def _run_decode_batch_sizes(self, backend: AttentionBackend) -> None:
+        """A decode step of each batch size the CUDA graphs will capture, so the kernels they use
+        are loaded (and counted) before the pool takes what is left."""
+        from chatapp.engine.attention_triton import TritonAttentionBackend
+
+        if not self.config.cuda_graphs or not isinstance(backend, TritonAttentionBackend):
+            return
+        sizes = capture_sizes(self.config.max_num_seqs)
+        inputs = GraphInputs(sizes[-1], 1, self.device)  # every row reads the dummy pool's one block
+        for size in sizes:
+            backend.begin_decode_step(inputs.metadata(size), inputs.tile_req[:size], inputs.tile_q0[:size])
+            self.model.compute_logits(self.model(inputs.longs[0, :size], inputs.longs[1, :size], backend))
 
     def _allocate_kv_caches(
         self, num_blocks: int, transposed_keys: bool = False

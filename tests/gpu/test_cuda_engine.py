@@ -71,24 +71,33 @@ def test_bundled_model_matches_hf_token_for_token_in_float32() -> None:
     assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
 
 
+def agreed_tokens(a: list[int], b: list[int]) -> int:
+    """How many tokens two greedy sequences share before they part."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def test_bundled_model_follows_hf_in_bfloat16() -> None:
     llm = LLM(device="cuda", dtype="bfloat16", kv_cache_memory_gib=1)
     assert llm.core.runner.kv_caches[0][0].dtype == torch.bfloat16  # the KV cache follows the weights
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, logprobs=5))
-    hf = hf_on_gpu(torch.bfloat16)
-    identical = 0
+    hf_bf16, hf_fp32 = hf_on_gpu(torch.bfloat16), hf_on_gpu(torch.float32)
+    ours_from_truth = theirs_from_truth = 0
     for prompt, out in zip(PROMPTS, outs):
         ours = out.outputs[0].token_ids
-        theirs, their_top = hf_greedy_with_top5(hf, out.prompt_token_ids, 32)
+        theirs, their_top = hf_greedy_with_top5(hf_bf16, out.prompt_token_ids, 32)
+        truth, _ = hf_greedy_with_top5(hf_fp32, out.prompt_token_ids, 32)
+        ours_from_truth += agreed_tokens(ours, truth)
+        theirs_from_truth += agreed_tokens(theirs, truth)
         if ours == theirs:
-            identical += 1
             continue
-        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        # Where ours and HF's bfloat16 part, each picked a token the other ranks in its top five.
+        at = agreed_tokens(ours, theirs)
         assert at < min(len(ours), len(theirs)), f"one stopped early at {at}: {prompt!r}"
         assert out.outputs[0].logprobs is not None
         our_top = [token for token, _ in out.outputs[0].logprobs[at].top]
         assert ours[at] in their_top[at] and theirs[at] in our_top, f"parted at token {at} of {prompt!r}"
-    assert identical >= len(PROMPTS) // 2, f"only {identical} of {len(PROMPTS)} answers identical"
+    # And ours stays as close to the float32 answers as Hugging Face's own bfloat16 does.
+    assert ours_from_truth >= 0.8 * theirs_from_truth, (ours_from_truth, theirs_from_truth)
     assert graph_replays(llm) > 0
 
 
@@ -124,22 +133,29 @@ def _pool_bytes(llm: LLM) -> int:
     return runner.num_blocks * runner.bytes_per_block()
 
 
-def test_kv_pool_is_sized_from_the_memory_the_card_has(tiny_llama) -> None:
+def settled_use() -> int:
+    """Device memory in use once dropped objects are collected and the allocator's cache returned."""
+    gc.collect()
     torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def test_kv_pool_is_sized_from_the_memory_the_card_has(tiny_llama) -> None:
+    settled_use()  # earlier tests' engines and models are gone before this one measures
     total = torch.cuda.mem_get_info()[1]
     common = dict(model=str(tiny_llama), device="cuda", max_model_len=2048)
 
     first = LLM(gpu_memory_utilization=0.3, **common)
-    used = total - torch.cuda.mem_get_info()[0]
+    used = settled_use()
     # The whole card's use lands at the engine's share, less the (tiny) activation peak.
-    assert 0.3 * total - GIB < used < 0.3 * total + 0.5 * GIB, (used / GIB, total / GIB)
+    assert 0.3 * total - GIB < used < 0.3 * total + 0.5 * GIB, (used / GIB, 0.3 * total / GIB)
 
     # A second engine (or a second model in one engine) counts the first's memory as taken.
     second = LLM(gpu_memory_utilization=0.5, **common)
     assert abs(_pool_bytes(second) - 0.2 * total) < GIB, (_pool_bytes(second) / GIB, total / GIB)
     del first, second
-    gc.collect()
-    torch.cuda.empty_cache()
+    settled_use()
 
     capped = LLM(kv_cache_memory_gib=0.5, **common)
     assert 0.49 * GIB < _pool_bytes(capped) <= 0.5 * GIB
