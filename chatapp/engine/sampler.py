@@ -34,6 +34,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token per row of ``logits`` [S, V] for ``requests`` (same order)."""
+        if all(_plain_greedy(r) for r in requests):
+            # The common case of a GPU decode step, in one kernel: widening to float32 is exact,
+            # so the half-precision argmax is the same token (ties too: the first maximum).
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -153,6 +157,12 @@ def _mask_out(logits: torch.Tensor, allowed: np.ndarray) -> None:
     keep = flat[kept]
     flat.fill_(float("-inf"))
     flat[kept] = keep
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Greedy with nothing that changes or reports the logits (bias, penalties, grammar, logprobs)."""
+    p = req.params
+    return p.greedy and p.logprobs is None and not p.logit_bias and not p.uses_penalties and req.matcher is None
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
