@@ -121,7 +121,9 @@ class MainScreen(Screen[None]):
         panes = self.panes
         if pane not in panes:
             return
-        if pane.has_focus_within and panes.index(pane) != self.active:
+        # Only focus arriving makes a pane active (a click in it): any other change of a pane that
+        # still holds focus, between a move away (F6) and the focus following it, must not undo the move.
+        if event.focused and pane.has_focus_within and panes.index(pane) != self.active:
             self.active = panes.index(pane)
         try:
             tab = self.query_one(f"#tab-{pane.id}", Tab)

@@ -67,11 +67,13 @@ class ChatPane(Vertical):
     """A session pane. The main screen lays panes out and routes keys to the focused one."""
 
     class Changed(Message):
-        """Title, busy state or rate changed: the tab bar and status bar redraw."""
+        """Title, busy state or rate changed, or focus came in (``focused``): the tab bar and status
+        bar redraw, and a pane that focus came into becomes the active one."""
 
-        def __init__(self, pane: ChatPane) -> None:
+        def __init__(self, pane: ChatPane, focused: bool = False) -> None:
             super().__init__()
             self.pane = pane
+            self.focused = focused
 
     class CompareSubmitted(Message):
         """A message sent in a pane marked for compare mode: the main screen sends it to every marked pane."""
@@ -234,7 +236,7 @@ class ChatPane(Vertical):
         return next((v for v in self.log_view.query(MessageView) if v.node is node), None)
 
     def on_descendant_focus(self) -> None:
-        self.post_message(self.Changed(self))
+        self.post_message(self.Changed(self, focused=True))
 
     def watch_busy(self) -> None:
         self.set_class(self.busy, "busy")
