@@ -547,10 +547,12 @@ def test_json_export_has_every_branch_and_imports_losslessly(store):
         system_prompt="sys",
         sampling={"temperature": 0.2},
         backend=Backend.remote("https://example.test/v1", endpoint="work", api_key="sk-secret"),
+        context_fit={"mode": "summarise", "dropped": 2, "summary": "They added numbers."},
     )
     store.finish_message(a1.id, "It is 4.", metrics=Metrics(10, 4, 12.5, 150))
     store.select_branch(a1.id)
     data = json.loads(store.export_json(s.id))
+    assert data["session"]["context_fit"] == {"mode": "summarise", "dropped": 2, "summary": "They added numbers."}
     assert data["format"] == "chatapp-session"
     assert {m["id"] for m in data["messages"]} == {q.id, a1.id, a2.id, q2.id}
     assert data["session"]["selected_leaf_id"] == a1.id
@@ -559,6 +561,7 @@ def test_json_export_has_every_branch_and_imports_losslessly(store):
 
     copy = store.import_json(store.export_json(s.id, include_secrets=True))
     assert copy.id != s.id and copy.backend == store.get_session(s.id).backend
+    assert copy.context_fit == store.get_session(s.id).context_fit
     assert [m.content for m in store.path(copy.id)] == ["What is 2+2?", "It is 4."]
 
     def without_ids(d: dict) -> dict:

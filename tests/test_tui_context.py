@@ -55,6 +55,39 @@ async def test_dropping_the_oldest_turns_answers_and_keeps_doing_so(tmp_path: Pa
         await again.action_quit()
 
 
+async def test_another_model_starts_from_the_whole_chat_again(tmp_path: Path) -> None:
+    """A fit was made for the model that ran out; a pane switched to another model (or the engine's
+    default changing under it) sends the whole chat again, and is asked anew if that runs out too."""
+    client = FakeClient(reply="Answer.")
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await overflow(pilot, app, client)
+        pane = panes(app)[0]
+        await pilot.press("d")
+        await wait_for(pilot, lambda: answered(pane, 3) and pane.conversation.path()[-1].status == "complete", "answer")
+        assert pane.context_fit == ContextFit("drop", dropped=1)
+        saved = lambda: app.store.get_session(pane.config.db_id).context_fit  # noqa: E731
+        await wait_for(pilot, lambda: saved() is not None, "the fit saved")
+
+        pane.config = pane.config.copy(system_prompt="Be brief.")  # not a model change: the fit stays
+        assert pane.context_fit == ContextFit("drop", dropped=1)
+        pane.config = pane.config.copy(model="another-model")
+        assert pane.context_fit is None
+        await wait_for(pilot, lambda: saved() is None, "the fit dropped from the saved session")
+
+        client.max_messages = 100  # the new model's context holds the whole chat
+        await ask(pilot, pane, "fourth question")
+        sent = [m["content"] for m in client.requests[-1]["messages"]]
+        assert sent[:2] == ["Be brief.", "first question"] and len(sent) == 8  # system + 3 exchanges + new
+
+        # A pane on the engine's default model: a new default is another model too.
+        pane.config = pane.config.copy(model=None)
+        pane.context_fit = ContextFit("drop", dropped=1)
+        app.switch_model("a-bigger-model")
+        await wait_for(pilot, lambda: pane.context_fit is None, "the fit dropped with the engine's new model")
+        await app.action_quit()
+
+
 async def test_summarising_the_oldest_turns_puts_the_summary_in_the_prompt(tmp_path: Path) -> None:
     client = FakeClient(reply="Answer.", summary_reply="They asked two questions.")
     app = make_app(tmp_path, client)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -79,6 +80,10 @@ def _field(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], whe
     return value
 
 
+def _json_or_none(value: Mapping[str, Any] | None) -> str | None:
+    return None if value is None else json.dumps(dict(value))
+
+
 def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, Any]]], Any]:
     """Validate an export and return (session columns, [(old id, message columns)], selected old id)."""
     if not isinstance(data, Mapping) or data.get("format") != EXPORT_FORMAT:
@@ -110,6 +115,8 @@ def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, 
         "sampling": sampling,
         "backend": (backend.kind, backend.base_url, backend.endpoint, backend.api_key),
         "archived": int(bool(_field(s, "archived", bool, "session"))),
+        # How the chat was fitted to its model's context (exports made before it have none).
+        "context_fit": _json_or_none(_field(s, "context_fit", Mapping, "session", optional=True)),
     }
     raw_messages = data.get("messages")
     if not isinstance(raw_messages, list):

@@ -799,6 +799,7 @@ class HistoryStore:
                 "backend": backend,
                 "selected_leaf_id": session.selected_leaf_id,
                 "archived": session.archived,
+                "context_fit": session.context_fit,
             },
             "messages": [_message_dict(m) for m in messages],
         }
@@ -821,8 +822,8 @@ class HistoryStore:
             position = conn.execute("SELECT COALESCE(MAX(position) + 1, 0) FROM sessions").fetchone()[0]
             cursor = conn.execute(
                 "INSERT INTO sessions (title, created_at, updated_at, position, model, system_prompt, sampling, "
-                "backend_kind, backend_url, backend_endpoint, backend_api_key, archived) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                "backend_kind, backend_url, backend_endpoint, backend_api_key, archived, context_fit) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     session["title"],
                     session["created_at"],
@@ -833,6 +834,7 @@ class HistoryStore:
                     session["sampling"],
                     *session["backend"],
                     session["archived"],
+                    session["context_fit"],
                 ),
             )
             new_session = _inserted_id(cursor)

@@ -553,6 +553,8 @@ class ChatApp(App[None]):
         main = self._main()
         if main is not None:
             for pane in main.panes:
+                if not pane.config.is_remote and not pane.config.model:
+                    pane.model_changed()  # it answers with the engine's default model
                 pane.update_titles()
                 if not pane.config.is_remote:
                     pane.notice(f"The engine now runs {loaded}; the conversation goes on with it.")

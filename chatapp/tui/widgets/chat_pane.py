@@ -99,7 +99,7 @@ class ChatPane(Vertical):
     ) -> None:
         super().__init__(id=id, classes="chat-pane")
         self.services = services
-        self.config = config
+        self._config = config
         self.conversation = conversation
         self._pending: list[str] = []  # answer text not yet on screen
         self._pending_thought: list[str] = []  # think-block text not yet on screen
@@ -179,6 +179,28 @@ class ChatPane(Vertical):
             context = None if self.config.is_remote else self.services.local_context_length(self.config.model)
             self.border_subtitle += f" · {used:,}" + (f"/{context:,}" if context else "") + " tokens"
         self.post_message(self.Changed(self))
+
+    @property
+    def config(self) -> SessionConfig:
+        return self._config
+
+    @config.setter
+    def config(self, new: SessionConfig) -> None:
+        """A new configuration (F5, a model picked for this pane). A context fit was made for the
+        model that needed it: another model starts from the whole chat again (and asks if it too
+        runs out)."""
+        old = self._config
+        self._config = new
+
+        def answerer(c: SessionConfig) -> tuple[str | None, ...]:
+            return c.model, c.backend.kind, c.backend.base_url, c.backend.endpoint
+
+        if answerer(old) != answerer(new):
+            self.model_changed()
+
+    def model_changed(self) -> None:
+        """The model answering here changed (also the engine's default, for a pane that uses it)."""
+        self.context_fit = None
 
     @property
     def context_fit(self) -> ContextFit | None:
