@@ -285,6 +285,19 @@ def test_import_without_gpu_turns_on_the_interpreter() -> None:
     assert result.stdout.split() == ["1", "True"]
 
 
+def test_the_cpu_engine_runs_without_triton(tiny_llama) -> None:
+    """Triton is a test extra, not a dependency: a CPU install has none, and must still load and answer."""
+    code = (
+        "import sys; sys.modules['triton'] = None  # any import of it fails\n"
+        "from chatapp.engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_llama)!r}, device='cpu', num_kv_blocks=16)\n"
+        "print(len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "3"
+
+
 # --- end to end: the engine with the Triton backend generates what the torch backend does ---------
 
 

@@ -22,12 +22,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from chatapp.engine.attention import AttentionMetadata
-from chatapp.engine.attention_triton import TritonAttentionBackend
+
+if TYPE_CHECKING:  # Triton is there only where a GPU build is: the CPU engine imports this module too
+    from chatapp.engine.attention_triton import TritonAttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ def capture_sizes(max_batch: int) -> list[int]:
     return [n for n in CAPTURE_SIZES if n <= max_batch] or [1]
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor, TritonAttentionBackend], torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, "TritonAttentionBackend"], torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -297,9 +297,11 @@ class ModelRunner:
     def _run_decode_batch_sizes(self, backend: AttentionBackend) -> None:
         """A decode step of each batch size the CUDA graphs will capture, so the kernels they use
         are loaded (and counted) before the pool takes what is left."""
+        if not self.config.cuda_graphs:
+            return
         from chatapp.engine.attention_triton import TritonAttentionBackend
 
-        if not self.config.cuda_graphs or not isinstance(backend, TritonAttentionBackend):
+        if not isinstance(backend, TritonAttentionBackend):
             return
         sizes = capture_sizes(self.config.max_num_seqs)
         inputs = GraphInputs(sizes[-1], 1, self.device)  # every row reads the dummy pool's one block
@@ -345,9 +347,11 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of the decode forward (cuda_graphs.py says why), where they apply: on a GPU,
         with the Triton backend (its decode plan needs no per-step tensors) and not turned off."""
+        if not self.config.cuda_graphs:  # on the CPU, where Triton need not be installed
+            return None
         from chatapp.engine.attention_triton import TritonAttentionBackend
 
-        if not self.config.cuda_graphs or not isinstance(self.attn, TritonAttentionBackend):
+        if not isinstance(self.attn, TritonAttentionBackend):
             return None
         max_blocks = -(-self.config.max_model_len // self.block_size)
         with torch.inference_mode():
