@@ -242,3 +242,50 @@ async def test_whitespace_alone_makes_no_chunk_and_no_gap() -> None:
         body.set_tail("Two")
         await pilot.pause()
         assert [line.strip() for line in drawn_text(body).splitlines()][:3] == ["One.", "", "Two"]
+
+
+class PacedClient(FakeClient):
+    """The fake engine, one piece every 10 ms: an answer that keeps streaming across clock ticks."""
+
+    async def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        async for delta in super().generate(*args, **kwargs):
+            await asyncio.sleep(0.01)
+            yield delta
+
+
+async def test_a_streaming_tick_lays_the_screen_out_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A growing answer changes sizes every tick; the layout pass that measured them must not ask for
+    another (Textual's default for a new virtual size: layout_sized.py), which doubled the TUI's work."""
+    ticks = 0
+    tick = StreamClock._tick
+
+    async def counted_tick(self: StreamClock) -> None:
+        nonlocal ticks
+        ticks += 1
+        await tick(self)
+
+    monkeypatch.setattr(StreamClock, "_tick", counted_tick)
+    # One long paragraph: it grows every tick in the tail, with no finished block to mount.
+    client = PacedClient(reply=" ".join(f"word{i}" for i in range(3000)))
+    client.chunk = 8
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = app.screen
+        pane = panes(app)[0]
+        await send(pilot, pane, "go on")
+        await wait_for(pilot, lambda: ticks >= 2, "the stream under way")
+        layouts = 0
+        layout = screen._refresh_layout
+
+        def counted_layout(*args: object, **kwargs: object) -> None:
+            nonlocal layouts
+            layouts += 1
+            layout(*args, **kwargs)  # type: ignore[arg-type]
+
+        screen._refresh_layout = counted_layout  # type: ignore[method-assign]
+        first = ticks
+        await wait_for(pilot, lambda: ticks >= first + 6, "six more ticks")
+        assert not answered(pane, 1), "the answer must still be streaming"
+        assert layouts <= (ticks - first) + 2, f"{layouts} layouts in {ticks - first} ticks"
+        pane.stop()
+        await app.action_quit()

@@ -38,6 +38,7 @@ from chatapp.tui.conversation import Conversation, Node
 from chatapp.tui.fitted_stream import chained, open_stream
 from chatapp.tui.session_config import SessionConfig, SessionConfigError
 from chatapp.tui.stream_clock import clock_for
+from chatapp.tui.widgets.layout_sized import LaidOutOnce
 from chatapp.tui.widgets.message_view import MessageView
 from chatapp.tui.widgets.prompt_input import PromptInput
 
@@ -61,6 +62,10 @@ def model_label(spec: str) -> str:
         name = spec.rstrip("/").rsplit("/", 1)[-1]
         return name.removesuffix(".gguf")
     return spec
+
+
+class MessageLog(LaidOutOnce, VerticalScroll):
+    """The pane's scrolling list of messages (it grows with every streamed tick: layout_sized.py)."""
 
 
 class ChatPane(Vertical):
@@ -123,7 +128,7 @@ class ChatPane(Vertical):
     # -- layout -------------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield VerticalScroll(classes="message-log")
+        yield MessageLog(classes="message-log")
         yield Static("", classes="pane-notice")
         yield PromptInput(placeholder="Message (Enter sends, Ctrl+J new line)", id=f"{self.id}-prompt")
 

@@ -28,6 +28,8 @@ from textual.visual import RenderOptions, RichVisual
 from textual.widget import Widget
 from textual.widgets import Static
 
+from chatapp.tui.widgets.layout_sized import LaidOutOnce
+
 CODE_THEME = "monokai"
 """Pygments theme of fenced code (Rich draws its background, so it reads on dark and light themes)."""
 TAIL_MARKDOWN_CHARS = 4000
@@ -96,7 +98,7 @@ class MarkdownVisual(RichVisual):
         return "\n".join("".join(segment.text for segment in line).rstrip() for line in self._lines)
 
 
-class _SelectableMarkdown(Static):
+class _SelectableMarkdown(LaidOutOnce, Static):
     """Text of a MarkdownVisual can be selected with the mouse and copied, as any text of the app."""
 
     def get_selection(self, selection: Selection) -> tuple[str, str] | None:
@@ -134,7 +136,7 @@ class MarkdownTail(_SelectableMarkdown):
         self.update(MarkdownVisual(self, text) if len(text) <= TAIL_MARKDOWN_CHARS else Text(text))
 
 
-class MarkdownText(Vertical):
+class MarkdownText(LaidOutOnce, Vertical):
     """The Markdown of one message: chunks of finished blocks, then (while it streams) the tail."""
 
     # The widget's own spacing (in the widget, not the app's stylesheet: it is part of drawing the

@@ -21,12 +21,13 @@ from chatapp.engine.reasoning import split_reasoning
 from chatapp.tui.code_blocks import code_blocks
 from chatapp.tui.conversation import Branch, Node
 from chatapp.tui.markdown_tail import settled_length
+from chatapp.tui.widgets.layout_sized import LaidOutOnce
 from chatapp.tui.widgets.markdown_text import MarkdownText
 
 _STATUS_LABELS = {"streaming": "writing…", "incomplete": "incomplete", "error": "error"}
 
 
-class MessageView(Vertical):
+class MessageView(LaidOutOnce, Vertical):
     """Renders a :class:`Node`; the pane streams into :attr:`body` while an answer is written."""
 
     class Clicked(Message):
