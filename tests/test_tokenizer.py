@@ -198,3 +198,25 @@ def test_an_answer_whose_think_block_the_template_moves_is_continued_as_written(
     # An answer the template leaves as it is still opens where the template puts it.
     plain = tokenizer.render_chat([question, {"role": "assistant", "content": "Rayleigh"}], continue_final_message=True)
     assert tokenizer.decode(plain, skip_special_tokens=False).endswith("<|im_start|>assistant\nRayleigh")
+
+
+# DeepSeek-R1's way: the generation prompt opens the think block, and past answers lose theirs.
+R1_STYLE_TEMPLATE = QWEN3_STYLE_TEMPLATE.replace(
+    "{{ '<|im_start|>assistant\\n' }}{%- endif %}", "{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("opener", ["<think>\n", ""])
+def test_a_think_block_the_prompt_opened_is_not_opened_twice_when_continued(pair, tmp_path: Path, opener: str) -> None:
+    """Where the generation prompt already opens the think block, an answer kept with its opener (as
+    the model's reasoning is shown) goes on after the prompt's opener, not after a second one."""
+    _, hf = pair
+    tokenizer = Tokenizer(tokenizer_with_template(hf, tmp_path / "r1-style", R1_STYLE_TEMPLATE))
+    question = {"role": "user", "content": "Why is the sky blue?"}
+    written = opener + "Short answer wanted.\n</think>\n\nRayleigh scattering makes"
+    ids = tokenizer.render_chat([question, {"role": "assistant", "content": written}], continue_final_message=True)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text == (
+        "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        "Short answer wanted.\n</think>\n\nRayleigh scattering makes"
+    )

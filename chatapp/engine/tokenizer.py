@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatapp.engine.model_ref import is_gguf_path
+from chatapp.engine.reasoning import OPEN as THINK_OPEN
+from chatapp.engine.reasoning import prompt_opens_thinking
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -323,18 +325,24 @@ class Tokenizer:
         answer the template rewrote follows the generation prompt as it was written."""
         final: str = messages[-1]["content"]
         core = final.strip()
-        start = 0
+        head, start = "", 0
         try:
             head = self.hf.apply_chat_template(messages[:-1], add_generation_prompt=True, tools=tools)
-            if text.startswith(head):
-                start = len(head)
         except Exception:  # noqa: BLE001  a template that cannot render the shorter conversation: search it all
-            start = 0
+            head = ""
+        if head and text.startswith(head):
+            start = len(head)
+        elif head and prompt_opens_thinking(head) and text.startswith(head[: head.rfind(THINK_OPEN)]):
+            # DeepSeek-R1's generation prompt opens a think block that the rendered past turn lacks.
+            start = head.rfind(THINK_OPEN)
         at = text.find(core, start) if start else text.rfind(core)
         if core and at == -1 and start:
             # The template rewrote the answer (Qwen3's drops a think block from it): the turn opens as
-            # the model wrote it, right after the prompt that asked for it, which is what it went on from.
-            return text[:start] + final
+            # the model wrote it, right after the prompt that asked for it, which is what it went on from
+            # (where that prompt opened the think block, the answer's own opener is that one).
+            if prompt_opens_thinking(head) and final.lstrip().startswith(THINK_OPEN):
+                final = final.lstrip()[len(THINK_OPEN) :].lstrip("\n")
+            return head + final
         if not core or at == -1:
             raise ChatFormatError("the model's chat template changed the final message; it cannot be continued")
         end = at + len(core)
