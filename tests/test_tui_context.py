@@ -26,14 +26,20 @@ async def overflow(pilot, app, client: FakeClient) -> None:  # noqa: ANN001
     assert pane.conversation.path()[-1].status == "error"  # the refused answer is recorded as failed
 
 
+async def overflow_and_drop(pilot, app, client: FakeClient):  # noqa: ANN001, ANN201
+    """overflow(), then "Drop oldest": the third question is answered with the first exchange left out."""
+    await overflow(pilot, app, client)
+    pane = panes(app)[0]
+    await pilot.press("d")
+    await wait_for(pilot, lambda: answered(pane, 3) and pane.conversation.path()[-1].status == "complete", "answer")
+    return pane
+
+
 async def test_dropping_the_oldest_turns_answers_and_keeps_doing_so(tmp_path: Path) -> None:
     client = FakeClient(reply="Answer.")
     app = make_app(tmp_path, client)
     async with app.run_test(size=(120, 40)) as pilot:
-        await overflow(pilot, app, client)
-        pane = panes(app)[0]
-        await pilot.press("d")
-        await wait_for(pilot, lambda: answered(pane, 3) and pane.conversation.path()[-1].status == "complete", "answer")
+        pane = await overflow_and_drop(pilot, app, client)
         sent = [m["content"] for m in client.requests[-1]["messages"]]
         assert sent == ["second question", "Answer.", "third question"]  # the oldest exchange left out
         assert pane.context_fit == ContextFit("drop", dropped=1)
@@ -61,10 +67,7 @@ async def test_another_model_starts_from_the_whole_chat_again(tmp_path: Path) ->
     client = FakeClient(reply="Answer.")
     app = make_app(tmp_path, client)
     async with app.run_test(size=(120, 40)) as pilot:
-        await overflow(pilot, app, client)
-        pane = panes(app)[0]
-        await pilot.press("d")
-        await wait_for(pilot, lambda: answered(pane, 3) and pane.conversation.path()[-1].status == "complete", "answer")
+        pane = await overflow_and_drop(pilot, app, client)
         assert pane.context_fit == ContextFit("drop", dropped=1)
         saved = lambda: app.store.get_session(pane.config.db_id).context_fit  # noqa: E731
         await wait_for(pilot, lambda: saved() is not None, "the fit saved")
