@@ -114,7 +114,8 @@ def _pack_q8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 # Packed kinds (csrc/block_quant.h): what each holds exactly.
-KIND_Q4 = 4  # 4-bit codes, fp16 scale and minimum per 32: Q4_0, Q4_1
+KIND_Q4 = 4  # 4-bit codes, fp16 scale and minimum per 32: Q4_1
+KIND_Q4S = 5  # 4-bit codes offset by 8, fp16 scale per 32: Q4_0 (its 18 bytes a block, no minimum to read)
 KIND_Q8 = 8  # 8-bit codes offset by 128, fp16 scale per 32: Q8_0, Q5_0
 KIND_Q8M = 9  # 8-bit codes, fp16 scale and minimum per 32: Q5_1
 KIND_Q4K, KIND_Q5K, KIND_Q6K = 104, 105, 106  # super-blocks of 256 with integer sub-block scales
@@ -124,7 +125,7 @@ SUPER_BLOCK = 256
 
 # GGUF type -> the packed kind that holds it exactly (csrc/gguf_repack.cpp), and bytes per (tile, block).
 KIND_FOR_GGUF_TYPE = {
-    "Q4_0": KIND_Q4,
+    "Q4_0": KIND_Q4S,
     "Q4_1": KIND_Q4,
     "Q5_0": KIND_Q8,
     "Q8_0": KIND_Q8,
@@ -133,7 +134,7 @@ KIND_FOR_GGUF_TYPE = {
     "Q5_K": KIND_Q5K,
     "Q6_K": KIND_Q6K,
 }
-TILE_BYTES = {KIND_Q4: 320, KIND_Q8: 544, KIND_Q8M: 576, KIND_Q4K: 2368, KIND_Q5K: 2880, KIND_Q6K: 3360}
+TILE_BYTES = {KIND_Q4: 320, KIND_Q4S: 288, KIND_Q8: 544, KIND_Q8M: 576, KIND_Q4K: 2368, KIND_Q5K: 2880, KIND_Q6K: 3360}
 
 
 def block_inputs(kind: int) -> int:
@@ -200,6 +201,9 @@ def dequantize(packed: torch.Tensor, kind: int, out_features: int) -> torch.Tens
         w = _tile_channels(
             q.float() * _fp16_at(packed, 256)[..., None] + _fp16_at(packed, 288)[..., None], tiles, blocks
         )
+    elif kind == KIND_Q4S:  # as gguf computes Q4_0: d * (q - 8)
+        q = _nibble_codes(packed[..., :256].reshape(tiles, blocks, 4, TILE, 4))
+        w = _tile_channels(_fp16_at(packed, 256)[..., None] * (q.float() - 8), tiles, blocks)
     else:
         codes = packed[..., :512].reshape(tiles, blocks, 8, TILE, 4).transpose(2, 3).reshape(tiles, blocks, TILE, BLOCK)
         d = _fp16_at(packed, 512)[..., None]

@@ -9,13 +9,15 @@
 // llama.cpp's Q8 activations. For a tile of 16 output channels and one block, 8 AVX-512 VNNI dot
 // instructions give the 16 exact int32 block sums, then the block's float scales are applied:
 //   Q4: y += dot(q_w, q_x) * (d_w * d_x) + m_w * (d_x * sum(q_x))   (w = d_w * q_w + m_w, q_w in 0..15)
+//   Q4S: y += (dot(q_w, q_x) - 8 * sum(q_x)) * (d_w * d_x)           (w = d_w * (q_w - 8): Q4_0)
 //   Q8: y += (dot(u_w, q_x) - 128 * sum(q_x)) * (d_w * d_x)  (w = d_w * (u_w - 128))
 // Every output runs this same sequence whatever the batch holds: answers are batch-invariant.
 //
 // Packed layout, per linear: [tiles of 16 output channels][blocks of 32 inputs][tile bytes].
 // Q4 tile bytes: 4 chunks of 64 bytes, then 16 fp16 scales, then 16 fp16 minimums. In chunk j,
 // byte 4c + i holds channel c's input 4j + i in its low nibble and input 16 + 4j + i in its high
-// nibble, so one load and two masks give the two registers the dot instruction wants.
+// nibble, so one load and two masks give the two registers the dot instruction wants. Q4S tile bytes:
+// the same 4 chunks, then 16 fp16 scales (no minimums: Q4_0's 18 bytes a block, no more).
 // Q8 tile bytes: 8 chunks of 64 (chunk j, byte 4c + i: channel c's input 4j + i, offset by 128),
 // then 16 fp16 scales. chatapp/engine/block_quant.py writes both.
 #include "block_quant.h"
@@ -101,10 +103,16 @@ struct BlockLayout {
 };
 
 constexpr BlockLayout block_layout(int kind) {
-  return kind == kKindQ4   ? BlockLayout{kQ4TileBytes, 256, 288, true}
-         : kind == kKindQ8 ? BlockLayout{kQ8TileBytes, 512, 0, false}
-                           : BlockLayout{kQ8MTileBytes, 512, 544, true};
+  return kind == kKindQ4    ? BlockLayout{kQ4TileBytes, 256, 288, true}
+         : kind == kKindQ4S ? BlockLayout{kQ4STileBytes, 256, 0, false}
+         : kind == kKindQ8  ? BlockLayout{kQ8TileBytes, 512, 0, false}
+                            : BlockLayout{kQ8MTileBytes, 512, 544, true};
 }
+
+// Whether a kind keeps its codes as nibbles (two inputs a byte), and the offset its codes carry (taken
+// off exactly, as offset * sum(q_x), in the int32 sum).
+constexpr bool nibble_codes(int kind) { return kind == kKindQ4 || kind == kKindQ4S; }
+constexpr int32_t code_offset(int kind) { return kind == kKindQ8 ? 128 : kind == kKindQ4S ? 8 : 0; }
 
 #if defined(CHATAPP_HAVE_VNNI)
 // Output tiles [t0, t1) for every row, 64 rows at a time so the float sums stay in L1.
@@ -119,7 +127,7 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
     __m512i w[8];
-    if constexpr (kKind == kKindQ4) {
+    if constexpr (nibble_codes(kKind)) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(blk + 64 * j);
         w[j] = _mm512_and_si512(v, low4);
@@ -145,7 +153,8 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
       s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
       s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
       __m512i s = _mm512_add_epi32(s0, s1);
-      if constexpr (kKind == kKindQ8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qsum[rb]));
+      if constexpr (code_offset(kKind) != 0)
+        s = _mm512_sub_epi32(s, _mm512_set1_epi32(code_offset(kKind) * a.qsum[rb]));
       float* out = acc + r * kQuantTile;
       __m512 f = _mm512_load_ps(out);
       f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[rb])), f);
@@ -173,7 +182,7 @@ void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k,
   auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
     for (int h = 0; h < 2; ++h) {  // channels 8h..8h+7: bytes 32h..32h+31 of every 64-byte chunk
       __m256i w[8], sign[8];
-      if constexpr (kKind == kKindQ4) {
+      if constexpr (nibble_codes(kKind)) {
         for (int j = 0; j < 4; ++j) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
           w[j] = _mm256_and_si256(v, low4);
@@ -206,9 +215,11 @@ void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k,
         s1 = dot4x8(s1, w[6], x4(6));
         s0 = dot4x8(s0, w[3], x4(3));
         s1 = dot4x8(s1, w[7], x4(7));
+        __m256i s = _mm256_add_epi32(s0, s1);
+        if constexpr (kKind == kKindQ4S) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a.qsum[rb]));
         float* out = acc + r * kQuantTile + 8 * h;
         __m256 f = _mm256_load_ps(out);
-        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)),
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                             _mm256_mul_ps(d, _mm256_set1_ps(a.scale[rb])), f);
         if constexpr (L.has_min) f = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum[rb]), f);
         _mm256_store_ps(out, f);
@@ -228,7 +239,7 @@ void tile_loop(PortableLoop, const QuantizedActivations& a, int64_t rows, int64_
     int32_t dot = 0;
     for (int64_t i = 0; i < kQuantBlock; ++i) {
       int32_t wq;
-      if constexpr (kKind == kKindQ4) {
+      if constexpr (nibble_codes(kKind)) {
         const uint8_t byte = blk[64 * ((i % 16) / 4) + 4 * c + i % 4];
         wq = i < 16 ? (byte & 0x0F) : (byte >> 4);
       } else {
@@ -236,7 +247,7 @@ void tile_loop(PortableLoop, const QuantizedActivations& a, int64_t rows, int64_
       }
       dot += wq * xq[i];
     }
-    if constexpr (kKind == kKindQ8) dot -= 128 * a.qsum[rb];
+    dot -= code_offset(kKind) * a.qsum[rb];
     const float d = half_at(blk + L.scale_offset + 2 * c);
     f = std::fma(static_cast<float>(dot), d * a.scale[rb], f);
     if constexpr (L.has_min) f = std::fma(half_at(blk + L.min_offset + 2 * c), a.sum[rb], f);
@@ -279,6 +290,7 @@ KernelPath kernel_path(const std::string& name) {
 int64_t kind_tile_bytes(int64_t kind) {
   switch (kind) {
     case kKindQ4: return kQ4TileBytes;
+    case kKindQ4S: return kQ4STileBytes;
     case kKindQ8: return kQ8TileBytes;
     case kKindQ8M: return kQ8MTileBytes;
     case kKindQ4K: return kQ4KTileBytes;
@@ -318,6 +330,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     on_path(path, [&](auto loop) {
       if (kind == kKindQ4) tile_loop<kKindQ4>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else if (kind == kKindQ4S) tile_loop<kKindQ4S>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
       else if (kind == kKindQ8) tile_loop<kKindQ8>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
       else tile_loop<kKindQ8M>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
     });

@@ -14,14 +14,16 @@ constexpr int64_t kQuantTile = 16;    // output channels per tile
 constexpr int64_t kSuperBlock = 256;  // input channels per super-block (the K kinds)
 
 // Packed weight kinds. The numbers are part of the Python API (chatapp/engine/block_quant.py).
-//   4: 4-bit codes, fp16 scale d and minimum m per 32 (w = d*q + m): Q4_0 and Q4_1 exactly.
+//   4: 4-bit codes, fp16 scale d and minimum m per 32 (w = d*q + m): Q4_1 exactly.
+//   5: 4-bit codes offset by 8, fp16 scale per 32 (w = d*(q - 8)): Q4_0 exactly, in its own 18 bytes a block.
 //   8: 8-bit codes offset by 128, fp16 scale per 32 (w = d*(u - 128)): Q8_0 and Q5_0 exactly.
 //   9: 8-bit codes, fp16 scale and minimum per 32 (w = d*q + m): Q5_1 exactly.
 //   104 / 105 / 106: Q4_K / Q5_K / Q6_K super-blocks of 256, their integer sub-block scales kept.
-constexpr int64_t kKindQ4 = 4, kKindQ8 = 8, kKindQ8M = 9, kKindQ4K = 104, kKindQ5K = 105, kKindQ6K = 106;
+constexpr int64_t kKindQ4 = 4, kKindQ4S = 5, kKindQ8 = 8, kKindQ8M = 9, kKindQ4K = 104, kKindQ5K = 105, kKindQ6K = 106;
 
 // Bytes of one (tile, block) for the block-of-32 kinds.
 constexpr int64_t kQ4TileBytes = kQuantTile * kQuantBlock / 2 + 2 * kQuantTile * 2;  // 320
+constexpr int64_t kQ4STileBytes = kQuantTile * kQuantBlock / 2 + kQuantTile * 2;      // 288
 constexpr int64_t kQ8TileBytes = kQuantTile * kQuantBlock + kQuantTile * 2;          // 544
 constexpr int64_t kQ8MTileBytes = kQuantTile * kQuantBlock + 2 * kQuantTile * 2;     // 576
 // Bytes of one (tile, super-block) for the K kinds (layouts in kquant.cpp).

@@ -7,11 +7,10 @@
 // Each GGUF block is first decoded to its integer codes and scales as the file defines them (ggml's
 // block layouts), then written into the layout of block_quant.cpp (block-of-32 kinds) or kquant.cpp
 // (K kinds). Which kind holds which type, exactly:
-//   Q4_0 -> kind 4 (m = -8 d, exact in fp16)   Q4_1 -> kind 4   Q8_0 -> kind 8
+//   Q4_0 -> kind 5 (codes offset by 8)         Q4_1 -> kind 4   Q8_0 -> kind 8
 //   Q5_0 -> kind 8 (u = q + 112)               Q5_1 -> kind 9
 //   Q4_K -> 104   Q5_K -> 105   Q6_K -> 106
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <cstring>
 
@@ -38,7 +37,8 @@ int64_t gguf_block_bytes(int64_t type) {
 
 int64_t kind_for(int64_t type) {
   switch (type) {
-    case kQ4_0: case kQ4_1: return kKindQ4;
+    case kQ4_0: return kKindQ4S;
+    case kQ4_1: return kKindQ4;
     case kQ5_0: case kQ8_0: return kKindQ8;
     case kQ5_1: return kKindQ8M;
     case kQ4_K: return kKindQ4K;
@@ -70,13 +70,9 @@ Block32 decode_block32(int64_t type, const uint8_t* p) {
   Block32 b{};
   b.d = u16(p);
   switch (type) {
-    case kQ4_0: {
-      const float m = -8.f * static_cast<float>(c10::Half(b.d, c10::Half::from_bits()));
-      const c10::Half mh(m);
-      std::memcpy(&b.m, &mh, 2);
+    case kQ4_0:  // kind 5 keeps the codes with their offset of 8, and no minimum
       for (int i = 0; i < 32; ++i) b.code[i] = i < 16 ? p[2 + i] & 0x0F : p[2 + i - 16] >> 4;
       break;
-    }
     case kQ4_1:
       b.m = u16(p + 2);
       for (int i = 0; i < 32; ++i) b.code[i] = i < 16 ? p[4 + i] & 0x0F : p[4 + i - 16] >> 4;
@@ -169,10 +165,10 @@ void put_nibbles(uint8_t* dst, int64_t c, const uint8_t* code) {
 }
 
 void write_block32(uint8_t* blk, int64_t kind, int64_t c, const Block32& b) {
-  if (kind == kKindQ4) {
+  if (kind == kKindQ4 || kind == kKindQ4S) {
     put_nibbles(blk, c, b.code);
     std::memcpy(blk + 256 + 2 * c, &b.d, 2);
-    std::memcpy(blk + 288 + 2 * c, &b.m, 2);
+    if (kind == kKindQ4) std::memcpy(blk + 288 + 2 * c, &b.m, 2);
     return;
   }
   for (int in = 0; in < 32; ++in) blk[64 * (in / 4) + 4 * c + in % 4] = b.code[in];
