@@ -116,8 +116,9 @@ def _pack_q8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, float]:
 # Packed kinds (csrc/block_quant.h): what each holds exactly.
 KIND_Q4 = 4  # 4-bit codes, fp16 scale and minimum per 32: Q4_1
 KIND_Q4S = 5  # 4-bit codes offset by 8, fp16 scale per 32: Q4_0 (its 18 bytes a block, no minimum to read)
-KIND_Q8 = 8  # 8-bit codes offset by 128, fp16 scale per 32: Q8_0, Q5_0
-KIND_Q8M = 9  # 8-bit codes, fp16 scale and minimum per 32: Q5_1
+KIND_Q5S = 6  # 5-bit codes offset by 16, fp16 scale per 32: Q5_0 (its 22 bytes a block)
+KIND_Q5M = 7  # 5-bit codes, fp16 scale and minimum per 32: Q5_1 (its 24 bytes a block)
+KIND_Q8 = 8  # 8-bit codes offset by 128, fp16 scale per 32: Q8_0
 KIND_Q4K, KIND_Q5K, KIND_Q6K = 104, 105, 106  # super-blocks of 256 with integer sub-block scales
 K_KINDS = (KIND_Q4K, KIND_Q5K, KIND_Q6K)
 SUPER_BLOCK = 256
@@ -127,14 +128,23 @@ SUPER_BLOCK = 256
 KIND_FOR_GGUF_TYPE = {
     "Q4_0": KIND_Q4S,
     "Q4_1": KIND_Q4,
-    "Q5_0": KIND_Q8,
+    "Q5_0": KIND_Q5S,
     "Q8_0": KIND_Q8,
-    "Q5_1": KIND_Q8M,
+    "Q5_1": KIND_Q5M,
     "Q4_K": KIND_Q4K,
     "Q5_K": KIND_Q5K,
     "Q6_K": KIND_Q6K,
 }
-TILE_BYTES = {KIND_Q4: 320, KIND_Q4S: 288, KIND_Q8: 544, KIND_Q8M: 576, KIND_Q4K: 2368, KIND_Q5K: 2880, KIND_Q6K: 3360}
+TILE_BYTES = {
+    KIND_Q4: 320,
+    KIND_Q4S: 288,
+    KIND_Q5S: 352,
+    KIND_Q5M: 384,
+    KIND_Q8: 544,
+    KIND_Q4K: 2368,
+    KIND_Q5K: 2880,
+    KIND_Q6K: 3360,
+}
 
 
 def block_inputs(kind: int) -> int:
@@ -204,14 +214,17 @@ def dequantize(packed: torch.Tensor, kind: int, out_features: int) -> torch.Tens
     elif kind == KIND_Q4S:  # as gguf computes Q4_0: d * (q - 8)
         q = _nibble_codes(packed[..., :256].reshape(tiles, blocks, 4, TILE, 4))
         w = _tile_channels(_fp16_at(packed, 256)[..., None] * (q.float() - 8), tiles, blocks)
-    else:
-        codes = packed[..., :512].reshape(tiles, blocks, 8, TILE, 4).transpose(2, 3).reshape(tiles, blocks, TILE, BLOCK)
-        d = _fp16_at(packed, 512)[..., None]
-        if kind == KIND_Q8:
-            w = (codes.float() - 128) * d
-        else:
-            w = d * codes.float() + _fp16_at(packed, 544)[..., None]
+    elif kind in (KIND_Q5S, KIND_Q5M):  # as gguf computes Q5_0 (d * (q - 16)) and Q5_1 (d * q + m)
+        q = _nibble_codes(packed[..., :256].reshape(tiles, blocks, 4, TILE, 4)).to(torch.int32)
+        plane = packed[..., 256:320].reshape(tiles, blocks, 1, TILE, 4).to(torch.int32)
+        bits = (plane >> torch.arange(8).view(1, 1, 8, 1, 1)) & 1  # [tiles, B, register, channel, 4]
+        q = (q | (bits.transpose(-3, -2).reshape(tiles, blocks, TILE, BLOCK) << 4)).float()
+        d = _fp16_at(packed, 320)[..., None]
+        w = d * (q - 16) if kind == KIND_Q5S else d * q + _fp16_at(packed, 352)[..., None]
         w = _tile_channels(w, tiles, blocks)
+    else:  # KIND_Q8
+        codes = packed[..., :512].reshape(tiles, blocks, 8, TILE, 4).transpose(2, 3).reshape(tiles, blocks, TILE, BLOCK)
+        w = _tile_channels((codes.float() - 128) * _fp16_at(packed, 512)[..., None], tiles, blocks)
     return w.reshape(tiles * TILE, -1)[:out_features]
 
 

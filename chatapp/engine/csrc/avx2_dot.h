@@ -13,7 +13,7 @@
 // dot on 8 lanes. Without AVX-VNNI it is maddubs (pairs summed in int16, saturating) then madd: exact
 // while a pair of products fits int16, so callers keep w <= 128 and |x| <= 127. Our activation codes
 // are within +-127 (scaled to the block's absolute maximum) and every packed kind's codes are at most
-// 63 (K kinds), 31 (Q5_1) or taken as absolute values of signed bytes (Q8_0, Q5_0).
+// 63 (K kinds), 31 (Q5_0, Q5_1), 15 (Q4_0, Q4_1) or taken as absolute values of signed bytes (Q8_0).
 inline __m256i dot4x8(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, w, x);

@@ -10,6 +10,7 @@
 // instructions give the 16 exact int32 block sums, then the block's float scales are applied:
 //   Q4: y += dot(q_w, q_x) * (d_w * d_x) + m_w * (d_x * sum(q_x))   (w = d_w * q_w + m_w, q_w in 0..15)
 //   Q4S: y += (dot(q_w, q_x) - 8 * sum(q_x)) * (d_w * d_x)           (w = d_w * (q_w - 8): Q4_0)
+//   Q5S / Q5M: as Q4S (offset 16: Q5_0) / Q4 (Q5_1), on codes 0..31
 //   Q8: y += (dot(u_w, q_x) - 128 * sum(q_x)) * (d_w * d_x)  (w = d_w * (u_w - 128))
 // Every output runs this same sequence whatever the batch holds: answers are batch-invariant.
 //
@@ -18,6 +19,8 @@
 // byte 4c + i holds channel c's input 4j + i in its low nibble and input 16 + 4j + i in its high
 // nibble, so one load and two masks give the two registers the dot instruction wants. Q4S tile bytes:
 // the same 4 chunks, then 16 fp16 scales (no minimums: Q4_0's 18 bytes a block, no more).
+// Q5S / Q5M tile bytes: the same 4 chunks, then the codes' fifth bits (64 bytes: byte 4c + i, bit j is
+// the fifth bit of register j's lane 4c + i, as kquant.cpp's Q5_K), then 16 fp16 scales (and minimums).
 // Q8 tile bytes: 8 chunks of 64 (chunk j, byte 4c + i: channel c's input 4j + i, offset by 128),
 // then 16 fp16 scales. chatapp/engine/block_quant.py writes both.
 #include "block_quant.h"
@@ -96,7 +99,7 @@ void quantize_rows(const at::Tensor& x, QuantizedActivations& a) {
   });
 }
 
-// Where a kind's (tile, block) keeps what is not codes: 16 fp16 scales, then (Q4, Q8M) 16 fp16 minimums.
+// Where a kind's (tile, block) keeps what is not codes: 16 fp16 scales, then (Q4, Q5M) 16 fp16 minimums.
 struct BlockLayout {
   int64_t tile_bytes, scale_offset, min_offset;
   bool has_min;
@@ -105,14 +108,19 @@ struct BlockLayout {
 constexpr BlockLayout block_layout(int kind) {
   return kind == kKindQ4    ? BlockLayout{kQ4TileBytes, 256, 288, true}
          : kind == kKindQ4S ? BlockLayout{kQ4STileBytes, 256, 0, false}
-         : kind == kKindQ8  ? BlockLayout{kQ8TileBytes, 512, 0, false}
-                            : BlockLayout{kQ8MTileBytes, 512, 544, true};
+         : kind == kKindQ5S ? BlockLayout{kQ5STileBytes, 320, 0, false}
+         : kind == kKindQ5M ? BlockLayout{kQ5MTileBytes, 320, 352, true}
+                            : BlockLayout{kQ8TileBytes, 512, 0, false};
 }
 
 // Whether a kind keeps its codes as nibbles (two inputs a byte), and the offset its codes carry (taken
 // off exactly, as offset * sum(q_x), in the int32 sum).
-constexpr bool nibble_codes(int kind) { return kind == kKindQ4 || kind == kKindQ4S; }
-constexpr int32_t code_offset(int kind) { return kind == kKindQ8 ? 128 : kind == kKindQ4S ? 8 : 0; }
+constexpr bool five_bit(int kind) { return kind == kKindQ5S || kind == kKindQ5M; }
+constexpr bool nibble_codes(int kind) { return kind == kKindQ4 || kind == kKindQ4S || five_bit(kind); }
+constexpr int32_t code_offset(int kind) {
+  return kind == kKindQ8 ? 128 : kind == kKindQ4S ? 8 : kind == kKindQ5S ? 16 : 0;
+}
+constexpr int64_t kFifthBits = 256;  // where the 5-bit kinds keep their codes' fifth bits
 
 #if defined(CHATAPP_HAVE_VNNI)
 // Output tiles [t0, t1) for every row, 64 rows at a time so the float sums stay in L1.
@@ -132,6 +140,17 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
         const __m512i v = _mm512_loadu_si512(blk + 64 * j);
         w[j] = _mm512_and_si512(v, low4);
         w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      if constexpr (five_bit(kKind)) {  // register j's fifth bits are bit j of each byte: moved to bit 4
+        const __m512i h = _mm512_loadu_si512(blk + kFifthBits), bit4 = _mm512_set1_epi8(0x10);
+        w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+        w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+        w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
+        w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
+        w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, bit4));
+        w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4));
+        w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4));
+        w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4));
       }
     } else {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
@@ -188,6 +207,14 @@ void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k,
           w[j] = _mm256_and_si256(v, low4);
           w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         }
+        if constexpr (five_bit(kKind)) {  // register j's fifth bits: bit j of each byte, moved to bit 4
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kFifthBits + 32 * h));
+          for (int j = 0; j < 8; ++j) {
+            const __m256i moved =
+                j < 4 ? _mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - j)) : _mm256_srl_epi16(hb, _mm_cvtsi32_si128(j - 4));
+            w[j] = _mm256_or_si256(w[j], _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+          }
+        }
       } else {
         for (int j = 0; j < 8; ++j) {
           w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
@@ -216,7 +243,8 @@ void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k,
         s0 = dot4x8(s0, w[3], x4(3));
         s1 = dot4x8(s1, w[7], x4(7));
         __m256i s = _mm256_add_epi32(s0, s1);
-        if constexpr (kKind == kKindQ4S) s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * a.qsum[rb]));
+        if constexpr (kKind != kKindQ8 && code_offset(kKind) != 0)  // Q8's sign trick took its offset off
+          s = _mm256_sub_epi32(s, _mm256_set1_epi32(code_offset(kKind) * a.qsum[rb]));
         float* out = acc + r * kQuantTile + 8 * h;
         __m256 f = _mm256_load_ps(out);
         f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
@@ -242,6 +270,7 @@ void tile_loop(PortableLoop, const QuantizedActivations& a, int64_t rows, int64_
       if constexpr (nibble_codes(kKind)) {
         const uint8_t byte = blk[64 * ((i % 16) / 4) + 4 * c + i % 4];
         wq = i < 16 ? (byte & 0x0F) : (byte >> 4);
+        if constexpr (five_bit(kKind)) wq |= ((blk[kFifthBits + 4 * c + i % 4] >> ((i % 16) / 4 + 4 * (i / 16))) & 1) << 4;
       } else {
         wq = blk[64 * (i / 4) + 4 * c + i % 4];
       }
@@ -291,8 +320,9 @@ int64_t kind_tile_bytes(int64_t kind) {
   switch (kind) {
     case kKindQ4: return kQ4TileBytes;
     case kKindQ4S: return kQ4STileBytes;
+    case kKindQ5S: return kQ5STileBytes;
+    case kKindQ5M: return kQ5MTileBytes;
     case kKindQ8: return kQ8TileBytes;
-    case kKindQ8M: return kQ8MTileBytes;
     case kKindQ4K: return kQ4KTileBytes;
     case kKindQ5K: return kQ5KTileBytes;
     case kKindQ6K: return kQ6KTileBytes;
@@ -331,8 +361,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
     on_path(path, [&](auto loop) {
       if (kind == kKindQ4) tile_loop<kKindQ4>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
       else if (kind == kKindQ4S) tile_loop<kKindQ4S>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
-      else if (kind == kKindQ8) tile_loop<kKindQ8>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
-      else tile_loop<kKindQ8M>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else if (kind == kKindQ5S) tile_loop<kKindQ5S>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else if (kind == kKindQ5M) tile_loop<kKindQ5M>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else tile_loop<kKindQ8>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
     });
   });
   return y;

@@ -16,16 +16,18 @@ constexpr int64_t kSuperBlock = 256;  // input channels per super-block (the K k
 // Packed weight kinds. The numbers are part of the Python API (chatapp/engine/block_quant.py).
 //   4: 4-bit codes, fp16 scale d and minimum m per 32 (w = d*q + m): Q4_1 exactly.
 //   5: 4-bit codes offset by 8, fp16 scale per 32 (w = d*(q - 8)): Q4_0 exactly, in its own 18 bytes a block.
-//   8: 8-bit codes offset by 128, fp16 scale per 32 (w = d*(u - 128)): Q8_0 and Q5_0 exactly.
-//   9: 8-bit codes, fp16 scale and minimum per 32 (w = d*q + m): Q5_1 exactly.
+//   6: 5-bit codes offset by 16, fp16 scale per 32 (w = d*(q - 16)): Q5_0 exactly, in its 22 bytes a block.
+//   7: 5-bit codes, fp16 scale and minimum per 32 (w = d*q + m): Q5_1 exactly, in its 24 bytes a block.
+//   8: 8-bit codes offset by 128, fp16 scale per 32 (w = d*(u - 128)): Q8_0 exactly.
 //   104 / 105 / 106: Q4_K / Q5_K / Q6_K super-blocks of 256, their integer sub-block scales kept.
-constexpr int64_t kKindQ4 = 4, kKindQ4S = 5, kKindQ8 = 8, kKindQ8M = 9, kKindQ4K = 104, kKindQ5K = 105, kKindQ6K = 106;
+constexpr int64_t kKindQ4 = 4, kKindQ4S = 5, kKindQ5S = 6, kKindQ5M = 7, kKindQ8 = 8, kKindQ4K = 104, kKindQ5K = 105, kKindQ6K = 106;
 
 // Bytes of one (tile, block) for the block-of-32 kinds.
 constexpr int64_t kQ4TileBytes = kQuantTile * kQuantBlock / 2 + 2 * kQuantTile * 2;  // 320
 constexpr int64_t kQ4STileBytes = kQuantTile * kQuantBlock / 2 + kQuantTile * 2;      // 288
+constexpr int64_t kQ5STileBytes = kQ4STileBytes + kQuantTile * kQuantBlock / 8;        // 352: + the fifth bits
+constexpr int64_t kQ5MTileBytes = kQ5STileBytes + kQuantTile * 2;                     // 384
 constexpr int64_t kQ8TileBytes = kQuantTile * kQuantBlock + kQuantTile * 2;          // 544
-constexpr int64_t kQ8MTileBytes = kQuantTile * kQuantBlock + 2 * kQuantTile * 2;     // 576
 // Bytes of one (tile, super-block) for the K kinds (layouts in kquant.cpp).
 constexpr int64_t kQ4KTileBytes = 2048 + 64 + 256;        // 2368
 constexpr int64_t kQ5KTileBytes = 2048 + 512 + 64 + 256;  // 2880

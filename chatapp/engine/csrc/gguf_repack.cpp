@@ -8,7 +8,7 @@
 // block layouts), then written into the layout of block_quant.cpp (block-of-32 kinds) or kquant.cpp
 // (K kinds). Which kind holds which type, exactly:
 //   Q4_0 -> kind 5 (codes offset by 8)         Q4_1 -> kind 4   Q8_0 -> kind 8
-//   Q5_0 -> kind 8 (u = q + 112)               Q5_1 -> kind 9
+//   Q5_0 -> kind 6 (codes offset by 16)        Q5_1 -> kind 7
 //   Q4_K -> 104   Q5_K -> 105   Q6_K -> 106
 #include <ATen/Parallel.h>
 
@@ -39,8 +39,9 @@ int64_t kind_for(int64_t type) {
   switch (type) {
     case kQ4_0: return kKindQ4S;
     case kQ4_1: return kKindQ4;
-    case kQ5_0: case kQ8_0: return kKindQ8;
-    case kQ5_1: return kKindQ8M;
+    case kQ5_0: return kKindQ5S;
+    case kQ5_1: return kKindQ5M;
+    case kQ8_0: return kKindQ8;
     case kQ4_K: return kKindQ4K;
     case kQ5_K: return kKindQ5K;
     case kQ6_K: return kKindQ6K;
@@ -81,7 +82,7 @@ Block32 decode_block32(int64_t type, const uint8_t* p) {
       const uint32_t qh = u32(p + 2);
       for (int i = 0; i < 32; ++i) {
         const int low = i < 16 ? p[6 + i] & 0x0F : p[6 + i - 16] >> 4;
-        b.code[i] = static_cast<uint8_t>((low | ((qh >> i) & 1) << 4) + 112);  // (q - 16) + 128
+        b.code[i] = static_cast<uint8_t>(low | ((qh >> i) & 1) << 4);  // kind 6 keeps the offset of 16
       }
       break;
     }
@@ -171,9 +172,16 @@ void write_block32(uint8_t* blk, int64_t kind, int64_t c, const Block32& b) {
     if (kind == kKindQ4) std::memcpy(blk + 288 + 2 * c, &b.m, 2);
     return;
   }
+  if (kind == kKindQ5S || kind == kKindQ5M) {
+    put_nibbles(blk, c, b.code);
+    for (int in = 0; in < 32; ++in)  // input 16 half + 4j + i: register j + 4 half, lane 4c + i, its bit
+      blk[256 + 4 * c + in % 4] |= static_cast<uint8_t>((b.code[in] >> 4) << ((in % 16) / 4 + 4 * (in / 16)));
+    std::memcpy(blk + 320 + 2 * c, &b.d, 2);
+    if (kind == kKindQ5M) std::memcpy(blk + 352 + 2 * c, &b.m, 2);
+    return;
+  }
   for (int in = 0; in < 32; ++in) blk[64 * (in / 4) + 4 * c + in % 4] = b.code[in];
   std::memcpy(blk + 512 + 2 * c, &b.d, 2);
-  if (kind == kKindQ8M) std::memcpy(blk + 544 + 2 * c, &b.m, 2);
 }
 
 void write_block256(uint8_t* blk, int64_t kind, int64_t c, const Block256& b) {
