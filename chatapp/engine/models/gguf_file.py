@@ -51,6 +51,7 @@ class GGUFTensor:
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 _LARGE_ARRAY = 1024  # longer arrays (a vocabulary) are skipped, not read: only the tokenizer needs them
 
 
@@ -93,10 +94,14 @@ class _HeaderReader:
     def _skip_array(self, item: int, count: int) -> None:
         if item in _SCALARS:
             self.pos += struct.calcsize(_SCALARS[item]) * count
-        elif item == _STRING:
-            for _ in range(count):
-                length = self.take("<Q")  # read before adding: take() moves pos itself
-                self.pos += length
+        elif item == _STRING:  # a vocabulary: 50-250k strings, each a u64 length and its bytes
+            unpack, pos = _U64.unpack_from, self.pos  # locals: this loop is most of a warm start's header read
+            try:
+                for _ in range(count):
+                    pos += 8 + unpack(self.buf, pos)[0]
+            except struct.error:  # a length field past the end of the file
+                raise GGUFError("the header ends early (truncated file)") from None
+            self.pos = pos
         else:
             for _ in range(count):
                 self.value(item)
