@@ -141,17 +141,7 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
         w[j] = _mm512_and_si512(v, low4);
         w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
-      if constexpr (five_bit(kKind)) {  // register j's fifth bits are bit j of each byte: moved to bit 4
-        const __m512i h = _mm512_loadu_si512(blk + kFifthBits), bit4 = _mm512_set1_epi8(0x10);
-        w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
-        w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
-        w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
-        w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
-        w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, bit4));
-        w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4));
-        w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4));
-        w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4));
-      }
+      if constexpr (five_bit(kKind)) or_fifth_bits(w, _mm512_loadu_si512(blk + kFifthBits));
     } else {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
     }
@@ -207,14 +197,8 @@ void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k,
           w[j] = _mm256_and_si256(v, low4);
           w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         }
-        if constexpr (five_bit(kKind)) {  // register j's fifth bits: bit j of each byte, moved to bit 4
-          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kFifthBits + 32 * h));
-          for (int j = 0; j < 8; ++j) {
-            const __m256i moved =
-                j < 4 ? _mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - j)) : _mm256_srl_epi16(hb, _mm_cvtsi32_si128(j - 4));
-            w[j] = _mm256_or_si256(w[j], _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
-          }
-        }
+        if constexpr (five_bit(kKind))
+          or_fifth_bits(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kFifthBits + 32 * h)));
       } else {
         for (int j = 0; j < 8; ++j) {
           w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));

@@ -151,25 +151,14 @@ void tile_loop(PortableLoop, const SuperBlockActivations& a, int64_t rows, int64
 template <int64_t kKind>
 inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0, __m512i& sc1, __m512i& mv) {
   constexpr KindLayout L = layout_of(kKind);
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   const uint8_t* codes = blk + 256 * g;
   for (int j = 0; j < 4; ++j) {
     const __m512i v = _mm512_loadu_si512(codes + 64 * j);
     w[j] = _mm512_and_si512(v, low4);
     w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
   }
-  if constexpr (kKind == kKindQ5K) {
-    const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 64 * g);
-    // register j's fifth bits are bit j of each byte: move it to bit 4 (shifts are 16-bit, so mask)
-    w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
-    w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
-    w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
-    w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
-    w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, bit4));
-    w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4));
-    w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4));
-    w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4));
-  }
+  if constexpr (kKind == kKindQ5K) or_fifth_bits(w, _mm512_loadu_si512(blk + L.high_offset + 64 * g));
   if constexpr (kKind == kKindQ6K) {
     for (int p = 0; p < 2; ++p) {
       const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 128 * g + 64 * p);
@@ -307,20 +296,15 @@ template <int64_t kKind>
 inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], __m256i& sc0, __m256i& sc1,
                             __m256i& mv) {
   constexpr KindLayout L = layout_of(kKind);
-  const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
   const uint8_t* codes = blk + 256 * g + 32 * h;
   for (int j = 0; j < 4; ++j) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
     w[j] = _mm256_and_si256(v, low4);
     w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
   }
-  if constexpr (kKind == kKindQ5K) {
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.high_offset + 64 * g + 32 * h));
-    for (int j = 0; j < 8; ++j) {  // register j's fifth bits are bit j of each byte
-      const __m256i moved = j < 4 ? _mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - j)) : _mm256_srl_epi16(hb, _mm_cvtsi32_si128(j - 4));
-      w[j] = _mm256_or_si256(w[j], _mm256_and_si256(moved, bit4));
-    }
-  }
+  if constexpr (kKind == kKindQ5K)
+    or_fifth_bits(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.high_offset + 64 * g + 32 * h)));
   if constexpr (kKind == kKindQ6K) {
     for (int p = 0; p < 2; ++p) {  // register 4p + j's bits 4-5 are bits 2j..2j+1 of plane p's bytes
       const __m256i hb =

@@ -56,6 +56,32 @@ CHATAPP_INLINE inline void for_each_block(const uint8_t* tile, int64_t blocks, i
   }
 }
 
+#if defined(CHATAPP_HAVE_VNNI)
+// The fifth bits of 5-bit codes (Q5_0, Q5_1, Q5_K) into their 8 registers: register j's are bit j of
+// each byte of h, moved to bit 4 (the shifts are 16-bit, hence the mask).
+CHATAPP_INLINE inline void or_fifth_bits(__m512i w[8], __m512i h) {
+  const __m512i bit4 = _mm512_set1_epi8(0x10);
+  w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
+  w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
+  w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
+  w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
+  w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, bit4));
+  w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4));
+  w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4));
+  w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4));
+}
+#endif
+
+#if defined(CHATAPP_HAVE_AVX2)
+// or_fifth_bits on 256-bit registers (a tile's half of 8 channels).
+CHATAPP_INLINE inline void or_fifth_bits(__m256i w[8], __m256i h) {
+  for (int j = 0; j < 8; ++j) {
+    const __m256i moved = j < 4 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - j)) : _mm256_srl_epi16(h, _mm_cvtsi32_si128(j - 4));
+    w[j] = _mm256_or_si256(w[j], _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 // The 4 int8 activations at p in all 16 lanes (avx2_dot.h's broadcast4x8 for 512-bit registers).
 inline __m512i broadcast4(const int8_t* p) {
