@@ -13,7 +13,10 @@
 // ranges), then the super-block's float scales apply once:
 //   Q4_K / Q5_K: y += isum * (d * dx) - imin * (dmin * dx),  isum = sum_g sc_g * dot_g, imin = sum_g m_g * xsum_g
 //   Q6_K:        y += isum * (d * dx),  isum = sum_s sc_s * (dot_s - 32 * xsum_s)  (sub-blocks of 16)
-// Every output runs this same sequence whatever the batch holds: answers are batch-invariant, and the
+// The integer parts are exact, so the VNNI loops may gather them in whatever order is cheapest: the
+// minimums' sum imin and Q6_K's 32 * sum_s sc_s * xsum_s come from word dots (vpdpwssd) on two groups'
+// (sub-blocks') factors at once, once per super-block rather than a multiply per group.
+// Every output runs the same float steps whatever the batch holds: answers are batch-invariant, and the
 // portable loop below does the same arithmetic one value at a time (tests hold the two to the same bits).
 //
 // Packed layout, per linear: [tiles of 16 output channels][super-blocks][tile bytes]. The codes of
@@ -31,6 +34,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "avx2_dot.h"
@@ -44,15 +48,40 @@ struct SuperBlockActivations {
   std::vector<int8_t> q;       // [M, K]
   std::vector<float> scale;    // [M, K / 256]
   std::vector<int32_t> sum16;  // [M, K / 16]
+  // [M, K / 64]: the sums of inputs 64p..64p+31 and 64p+32..64p+63 (groups 2p and 2p+1) as the low and high
+  // int16 of one int32 (|sum| <= 32 * 128 fits), so one VNNI word dot (vpdpwssd) takes two groups' minimums.
+  std::vector<int32_t> pair32;
+  std::vector<int32_t> pair16;  // [M, K / 32]: the same for the sums of 16 (sub-blocks 2p and 2p+1, for Q6_K)
+  // The codes again, for the batched VNNI loop, in the order it reads them: [rows / kChunkRows][K / 32 groups]
+  // [kChunkRows][32]. It takes one group of inputs for 32 rows in turn; in q those sit K bytes apart, a
+  // stride the prefetchers miss (measured: 6-18% slower than codes in L1), here they are one 1 KB run.
+  static constexpr int64_t kChunkRows = 32;
+  std::vector<int8_t> by_group;
 
   void resize(int64_t rows, int64_t k) {
     if (q.size() < static_cast<size_t>(rows * k)) q.resize(rows * k);
     if (scale.size() < static_cast<size_t>(rows * (k / kSuperBlock))) scale.resize(rows * (k / kSuperBlock));
     if (sum16.size() < static_cast<size_t>(rows * (k / 16))) sum16.resize(rows * (k / 16));
+    if (pair32.size() < static_cast<size_t>(rows * (k / 64))) pair32.resize(rows * (k / 64));
+    if (pair16.size() < static_cast<size_t>(rows * (k / 32))) pair16.resize(rows * (k / 32));
+  }
+
+  // Row r's codes of group g (inputs 32g..32g+31) in by_group.
+  int8_t* grouped(int64_t r, int64_t g, int64_t k) {
+    return by_group.data() + ((r / kChunkRows * (k / 32) + g) * kChunkRows + r % kChunkRows) * 32;
+  }
+  const int8_t* grouped(int64_t r, int64_t g, int64_t k) const {
+    return const_cast<SuperBlockActivations*>(this)->grouped(r, g, k);
   }
 };
 
-void quantize_row_superblocks(const float* x, int64_t k, int8_t* q, float* scale, int32_t* sum16) {
+// Two int32 sums as the low and high int16 of one int32 (each must fit: sums of at most 32 codes do).
+inline int32_t word_pair(int32_t low, int32_t high) {
+  return static_cast<int32_t>((static_cast<uint32_t>(low) & 0xFFFFu) | (static_cast<uint32_t>(high) << 16));
+}
+
+void quantize_row_superblocks(const float* x, int64_t k, int8_t* q, float* scale, int32_t* sum16, int32_t* pair32,
+                              int32_t* pair16) {
   for (int64_t b = 0; b < k / kSuperBlock; ++b) {
     const float* xb = x + b * kSuperBlock;
     int8_t* qb = q + b * kSuperBlock;
@@ -81,6 +110,9 @@ void quantize_row_superblocks(const float* x, int64_t k, int8_t* q, float* scale
     }
 #endif
     scale[b] = amax / 127.f;
+    const int32_t* s = sum16 + b * 16;
+    for (int64_t p = 0; p < 4; ++p) pair32[b * 4 + p] = word_pair(s[4 * p] + s[4 * p + 1], s[4 * p + 2] + s[4 * p + 3]);
+    for (int64_t p = 0; p < 8; ++p) pair16[b * 8 + p] = word_pair(s[2 * p], s[2 * p + 1]);
   }
 }
 
@@ -91,8 +123,18 @@ void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row_superblocks(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * (k / kSuperBlock),
-                               a.sum16.data() + r * (k / 16));
+                               a.sum16.data() + r * (k / 16), a.pair32.data() + r * (k / 64),
+                               a.pair16.data() + r * (k / 32));
   });
+  if (rows > 1) {  // the batched loop's copy (one-row loops read q)
+    const int64_t chunks = (rows + SuperBlockActivations::kChunkRows - 1) / SuperBlockActivations::kChunkRows;
+    if (a.by_group.size() < static_cast<size_t>(chunks * SuperBlockActivations::kChunkRows * k))
+      a.by_group.resize(chunks * SuperBlockActivations::kChunkRows * k);
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t g = 0; g < k / 32; ++g) std::memcpy(a.grouped(r, g, k), a.q.data() + r * k + 32 * g, 32);
+    });
+  }
 }
 
 struct KindLayout {
@@ -147,9 +189,9 @@ void tile_loop(PortableLoop, const SuperBlockActivations& a, int64_t rows, int64
 #if defined(CHATAPP_HAVE_VNNI)
 
 // The 8 registers of group g's codes (register j: inputs 4j..4j+3 of 16 channels), with the group's
-// integer scales (sc0 for inputs 0-15, sc1 for 16-31) and minimums.
+// integer scales (sc0 for inputs 0-15, sc1 for 16-31; the same one for Q4_K and Q5_K).
 template <int64_t kKind>
-inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0, __m512i& sc1, __m512i& mv) {
+inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0, __m512i& sc1) {
   constexpr KindLayout L = layout_of(kKind);
   const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
   const uint8_t* codes = blk + 256 * g;
@@ -169,14 +211,12 @@ inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0
       w[4 * p + 3] = _mm512_or_si512(w[4 * p + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), bits45));
     }
   }
-  mv = _mm512_setzero_si512();
   if constexpr (kKind == kKindQ6K) {
     sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g)));
     sc1 = _mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g + 16)));
   } else {
     sc0 = sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g)));
-    mv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.m_offset + 16 * g)));
   }
 }
 
@@ -185,6 +225,69 @@ inline __m512i dot_chain(const __m512i w[4], const int8_t* xq) {
   s = _mm512_dpbusd_epi32(s, w[1], broadcast4(xq + 4));
   s = _mm512_dpbusd_epi32(s, w[2], broadcast4(xq + 8));
   return _mm512_dpbusd_epi32(s, w[3], broadcast4(xq + 12));
+}
+
+// A group's whole dot (inputs 0-31) in one chain: register j holds inputs 4j..4j+3 in both halves.
+inline __m512i dot_chain8(const __m512i w[8], const int8_t* xq) {
+  __m512i s = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) s = _mm512_dpbusd_epi32(s, w[j], broadcast4(xq + 4 * j));
+  return s;
+}
+
+// One group's share of a row's integer sum: sc * dot (Q4_K, Q5_K), or each sub-block's sc * dot (Q6_K;
+// its - 32 * sum(x) term comes once per super-block, in finish_block).
+template <int64_t kKind>
+CHATAPP_INLINE inline __m512i group_sum(const __m512i w[8], __m512i sc0, __m512i sc1, const int8_t* xq) {
+  if constexpr (kKind == kKindQ6K)
+    return _mm512_add_epi32(_mm512_mullo_epi32(dot_chain(w, xq), sc0), _mm512_mullo_epi32(dot_chain(w + 4, xq + 16), sc1));
+  else
+    return _mm512_mullo_epi32(_mm512_add_epi32(dot_chain(w, xq), dot_chain(w + 4, xq + 16)), sc0);
+}
+
+// The per-super-block factors that multiply SuperBlockActivations' pair sums in word dots (vpdpwssd), lane c
+// holding channel c's two int16s: the minimums of groups 2p and 2p+1 (Q4_K, Q5_K: 4 pairs), or the scales
+// of sub-blocks 2p and 2p+1 (Q6_K: 8 pairs).
+template <int64_t kKind>
+constexpr int kPairs = kKind == kKindQ6K ? 8 : 4;
+
+template <int64_t kKind>
+CHATAPP_INLINE inline void load_pairs(const uint8_t* blk, __m512i pairs[kPairs<kKind>]) {
+  constexpr KindLayout L = layout_of(kKind);
+  for (int p = 0; p < kPairs<kKind>; ++p) {
+    const uint8_t* at = blk + (kKind == kKindQ6K ? L.sc_offset : L.m_offset) + 32 * p;
+    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+    const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16));
+    if constexpr (kKind == kKindQ6K)  // signed scales: the low word keeps only its own 16 bits
+      pairs[p] = _mm512_or_si512(_mm512_and_si512(_mm512_cvtepi8_epi32(even), _mm512_set1_epi32(0xFFFF)),
+                                 _mm512_slli_epi32(_mm512_cvtepi8_epi32(odd), 16));
+    else
+      pairs[p] = _mm512_or_si512(_mm512_cvtepu8_epi32(even), _mm512_slli_epi32(_mm512_cvtepu8_epi32(odd), 16));
+  }
+}
+
+// A row's super-block b, from its integer sum over the 8 groups into its float sum f, in the portable loop's
+// float steps: Q4_K / Q5_K take off the minimums (sum_g m_g * xsum_g, 4 word dots), Q6_K its codes' offset
+// (32 * sum_s sc_s * xsum_s, 8 word dots), both exact in int32.
+template <int64_t kKind>
+CHATAPP_INLINE inline __m512 finish_block(__m512i isum, const __m512i pairs[kPairs<kKind>],
+                                          const SuperBlockActivations& a, int64_t k, int64_t row, int64_t b, __m512 d,
+                                          __m512 dmin, __m512 f) {
+  const int32_t* x = kKind == kKindQ6K ? a.pair16.data() + row * (k / 32) + 8 * b : a.pair32.data() + row * (k / 64) + 4 * b;
+  __m512i word_dot = _mm512_setzero_si512();
+  for (int p = 0; p < kPairs<kKind>; ++p) word_dot = _mm512_dpwssd_epi32(word_dot, pairs[p], _mm512_set1_epi32(x[p]));
+  const __m512 dx = _mm512_set1_ps(a.scale[row * (k / kSuperBlock) + b]);
+  if constexpr (kKind == kKindQ6K)
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, _mm512_slli_epi32(word_dot, 5))), _mm512_mul_ps(d, dx), f);
+  f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f);
+  return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(word_dot), _mm512_mul_ps(dmin, dx), f);
+}
+
+template <int64_t kKind>
+CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m512& dmin) {
+  constexpr KindLayout L = layout_of(kKind);
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
+  dmin = kKind == kKindQ6K ? _mm512_setzero_ps()
+                           : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
 }
 
 // One row (a decode step) against tiles [t0, t1): the super-block sums stay in registers, and the bytes
@@ -202,28 +305,32 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
     __m512 f = _mm512_setzero_ps();
     for_each_block<L.tile_bytes>(tile, blocks, kAhead, true, [&](const uint8_t* blk, int64_t b) CHATAPP_INLINE {
       const int8_t* xq = a.q.data() + row * k + b * kSuperBlock;
-      const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16;
-      __m512i isum = _mm512_setzero_si512(), imin = _mm512_setzero_si512();
-      for (int64_t g = 0; g < 8; ++g) {
-        __m512i w[8], sc0, sc1, mv;
-        load_group<kKind>(blk, g, w, sc0, sc1, mv);
-        __m512i s0 = dot_chain(w, xq + 32 * g), s1 = dot_chain(w + 4, xq + 32 * g + 16);
-        if constexpr (kKind == kKindQ6K) {
-          s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * xs[2 * g]));
-          s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * xs[2 * g + 1]));
+      __m512i isum = _mm512_setzero_si512();
+      if constexpr (kKind == kKindQ6K) {
+        // For one row the offset costs less per sub-block (a subtraction) than through the 8 scale pairs.
+        const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16;
+        for (int64_t g = 0; g < 8; ++g) {
+          __m512i w[8], sc0, sc1;
+          load_group<kKind>(blk, g, w, sc0, sc1);
+          const __m512i s0 = _mm512_sub_epi32(dot_chain(w, xq + 32 * g), _mm512_set1_epi32(32 * xs[2 * g]));
+          const __m512i s1 = _mm512_sub_epi32(dot_chain(w + 4, xq + 32 * g + 16), _mm512_set1_epi32(32 * xs[2 * g + 1]));
           isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
-        } else {
-          isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc0));
-          imin = _mm512_add_epi32(imin, _mm512_mullo_epi32(mv, _mm512_set1_epi32(xs[2 * g] + xs[2 * g + 1])));
         }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
+        const __m512 dx = _mm512_set1_ps(a.scale[row * blocks + b]);
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f);
+        return;
       }
-      const __m512 dx = _mm512_set1_ps(a.scale[row * blocks + b]);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
-      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f);
-      if constexpr (kKind != kKindQ6K) {
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
-        f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), f);
+      for (int64_t g = 0; g < 8; ++g) {
+        __m512i w[8], sc0, sc1;
+        load_group<kKind>(blk, g, w, sc0, sc1);
+        isum = _mm512_add_epi32(isum, group_sum<kKind>(w, sc0, sc1, xq + 32 * g));
       }
+      __m512i pairs[kPairs<kKind>];
+      load_pairs<kKind>(blk, pairs);
+      __m512 d, dmin;
+      load_block_scales<kKind>(blk, d, dmin);
+      f = finish_block<kKind>(isum, pairs, a, k, row, b, d, dmin, f);
     });
     out.store(f, y + row * n_out + n0);
   };
@@ -234,53 +341,32 @@ template <int64_t kKind>
 void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
                int64_t t1, float* y, int64_t n_out, const float* bias) {
   constexpr KindLayout L = layout_of(kKind);
-  constexpr int64_t kRows = 32;
+  constexpr int64_t kRows = SuperBlockActivations::kChunkRows;  // rows per pass: a chunk of by_group
   const int64_t blocks = k / kSuperBlock;
   alignas(64) float acc[kRows * kQuantTile];
   alignas(64) int32_t isum[kRows * kQuantTile];
-  alignas(64) int32_t imin[kRows * kQuantTile];
   if (rows == 1) return tiles_one_row_vnni<kKind>(a, 0, k, packed, t0, t1, y, n_out, bias);
+  // Each group's codes are unpacked once for all the rows (its registers reused row after row), the rows'
+  // integer sums kept in L1.
   auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
-    for (int64_t r = 0; r < count; ++r) {
-      _mm512_store_si512(isum + r * kQuantTile, _mm512_setzero_si512());
-      if constexpr (kKind != kKindQ6K) _mm512_store_si512(imin + r * kQuantTile, _mm512_setzero_si512());
-    }
+    for (int64_t r = 0; r < count; ++r) _mm512_store_si512(isum + r * kQuantTile, _mm512_setzero_si512());
     for (int64_t g = 0; g < 8; ++g) {
-      __m512i w[8], sc0, sc1, mv;
-      load_group<kKind>(blk, g, w, sc0, sc1, mv);
+      __m512i w[8], sc0, sc1;
+      load_group<kKind>(blk, g, w, sc0, sc1);
       for (int64_t r = 0; r < count; ++r) {
-        const int64_t row = m0 + r;
-        const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
-        const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
-        __m512i s0 = dot_chain(w, xq), s1 = dot_chain(w + 4, xq + 16);
+        const int8_t* xq = a.grouped(m0 + r, b * 8 + g, k);
         int32_t* is = isum + r * kQuantTile;
-        __m512i total = _mm512_load_si512(is);
-        if constexpr (kKind == kKindQ6K) {
-          s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * xs[0]));
-          s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * xs[1]));
-          total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
-        } else {
-          total = _mm512_add_epi32(total, _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), sc0));
-          int32_t* im = imin + r * kQuantTile;
-          _mm512_store_si512(im, _mm512_add_epi32(_mm512_load_si512(im),
-                                                  _mm512_mullo_epi32(mv, _mm512_set1_epi32(xs[0] + xs[1]))));
-        }
-        _mm512_store_si512(is, total);
+        _mm512_store_si512(is, _mm512_add_epi32(_mm512_load_si512(is), group_sum<kKind>(w, sc0, sc1, xq)));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
-    __m512 dmin = _mm512_setzero_ps();
-    if constexpr (kKind != kKindQ6K)
-      dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
+    __m512i pairs[kPairs<kKind>];
+    load_pairs<kKind>(blk, pairs);
+    __m512 d, dmin;
+    load_block_scales<kKind>(blk, d, dmin);
     for (int64_t r = 0; r < count; ++r) {
-      const __m512 dx = _mm512_set1_ps(a.scale[(m0 + r) * blocks + b]);
       float* out = acc + r * kQuantTile;
-      __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(isum + r * kQuantTile)),
-                                 _mm512_mul_ps(d, dx), _mm512_load_ps(out));
-      if constexpr (kKind != kKindQ6K)
-        f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(imin + r * kQuantTile)),
-                             _mm512_mul_ps(dmin, dx), f);
-      _mm512_store_ps(out, f);
+      _mm512_store_ps(out, finish_block<kKind>(_mm512_load_si512(isum + r * kQuantTile), pairs, a, k, m0 + r, b, d,
+                                               dmin, _mm512_load_ps(out)));
     }
   };
   // Only the first rows' pass prefetches (2 super-blocks ahead): it brings the tile in; later passes find it in L2.
