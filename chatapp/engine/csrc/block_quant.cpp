@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -43,6 +44,17 @@ struct QuantizedActivations {
   std::vector<float> sum;     // [M, K / 32]: scale * qsum, the sum of the quantized block (for the minimums)
   std::vector<int32_t> qsum;  // [M, K / 32]: the sum of q over the block (undoes Q8's offset)
 
+  // The same again for the batched VNNI loop, in the order it reads them: block by block for kChunkRows rows
+  // in turn. In the arrays above one block's values of successive rows sit a row apart, a stride the
+  // prefetchers miss (kquant.cpp measured it on its codes). Index: grouped(r, b) (codes: 32 from there).
+  static constexpr int64_t kChunkRows = 64;
+  struct Grouped {
+    float scale, sum;
+    int32_t qsum;
+  };
+  std::vector<int8_t> q_by_block;     // [rows / kChunkRows][K / 32][kChunkRows][32]
+  std::vector<Grouped> by_block;      // [rows / kChunkRows][K / 32][kChunkRows]
+
   void resize(int64_t rows, int64_t k) {
     const size_t blocks = static_cast<size_t>(rows * (k / kQuantBlock));
     if (q.size() < static_cast<size_t>(rows * k)) q.resize(rows * k);
@@ -51,6 +63,27 @@ struct QuantizedActivations {
       sum.resize(blocks);
       qsum.resize(blocks);
     }
+  }
+
+  static int64_t grouped(int64_t r, int64_t b, int64_t k) {
+    return (r / kChunkRows * (k / kQuantBlock) + b) * kChunkRows + r % kChunkRows;
+  }
+
+  // Fills q_by_block and by_block from the row-major arrays (rows > 1: one row needs no regrouping).
+  void group(int64_t rows, int64_t k) {
+    const int64_t blocks = k / kQuantBlock, padded = (rows + kChunkRows - 1) / kChunkRows * kChunkRows;
+    if (by_block.size() < static_cast<size_t>(padded * blocks)) {
+      by_block.resize(padded * blocks);
+      q_by_block.resize(padded * k);
+    }
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t at = grouped(r, b, k), rb = r * blocks + b;
+          std::memcpy(q_by_block.data() + at * kQuantBlock, q.data() + r * k + b * kQuantBlock, kQuantBlock);
+          by_block[at] = Grouped{scale[rb], sum[rb], qsum[rb]};
+        }
+    });
   }
 };
 
@@ -97,6 +130,7 @@ void quantize_rows(const at::Tensor& x, QuantizedActivations& a) {
       quantize_row(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * blocks, a.sum.data() + r * blocks,
                    a.qsum.data() + r * blocks);
   });
+  if (rows > 1) a.group(rows, k);
 }
 
 // Where a kind's (tile, block) keeps what is not codes: 16 fp16 scales, then (Q4, Q5M) 16 fp16 minimums.
@@ -128,7 +162,7 @@ template <int kKind>
 void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
                int64_t t1, float* y, int64_t n_out, const float* bias) {
   constexpr BlockLayout L = block_layout(kKind);
-  constexpr int64_t kRows = 64;
+  constexpr int64_t kRows = QuantizedActivations::kChunkRows;  // rows per pass: a chunk of by_block
   constexpr int64_t kAhead = 24;  // blocks of 32 inputs prefetched ahead into L2 (~8-14 KB; kquant.cpp says why)
   const int64_t blocks = k / kQuantBlock;
   alignas(64) float acc[kRows * kQuantTile];
@@ -149,9 +183,8 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
     __m512 mins = _mm512_setzero_ps();
     if constexpr (L.has_min)
       mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.min_offset)));
-    for (int64_t r = 0; r < count; ++r) {
-      const int64_t row = m0 + r, rb = row * blocks + b;
-      const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
+    // Row r (of the pass) from its codes xq, block scale, sum and code sum.
+    auto add_row = [&](int64_t r, const int8_t* xq, float x_scale, float x_sum, int32_t x_qsum) CHATAPP_INLINE {
       // Two independent chains (inputs 0-15 and 16-31) halve the dot instructions' latency.
       __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
       __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], broadcast4(xq + 16));
@@ -162,13 +195,18 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
       s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
       s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
       __m512i s = _mm512_add_epi32(s0, s1);
-      if constexpr (code_offset(kKind) != 0)
-        s = _mm512_sub_epi32(s, _mm512_set1_epi32(code_offset(kKind) * a.qsum[rb]));
+      if constexpr (code_offset(kKind) != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(code_offset(kKind) * x_qsum));
       float* out = acc + r * kQuantTile;
       __m512 f = _mm512_load_ps(out);
-      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[rb])), f);
-      if constexpr (L.has_min) f = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.sum[rb]), f);
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(x_scale)), f);
+      if constexpr (L.has_min) f = _mm512_fmadd_ps(mins, _mm512_set1_ps(x_sum), f);
       _mm512_store_ps(out, f);
+    };
+    if (rows == 1) return add_row(0, a.q.data() + b * kQuantBlock, a.scale[b], a.sum[b], a.qsum[b]);
+    const int64_t first = QuantizedActivations::grouped(m0, b, k);  // rows m0.. follow it
+    for (int64_t r = 0; r < count; ++r) {
+      const QuantizedActivations::Grouped& x = a.by_block[first + r];
+      add_row(r, a.q_by_block.data() + (first + r) * kQuantBlock, x.scale, x.sum, x.qsum);
     }
   };
   walk_tiles<TileOut512, kRows, L.tile_bytes, false>(packed, blocks, t0, t1, rows, kAhead, acc, y, n_out, bias, block);
