@@ -1,4 +1,5 @@
-"""Single-stream decode, ours against llama.cpp and ik_llama.cpp, alternated over rounds: medians.
+"""Single-stream decode (or prompt processing), ours against llama.cpp and ik_llama.cpp, alternated
+over rounds: medians.
 
 Why: on these machines one process can read memory much faster or slower than the next (the same
 `llama-bench` run gave 28 and 42 tok/s minutes apart; our engine 22 and 33), so a figure from
@@ -7,10 +8,14 @@ each engine once, in a fresh process, in turn (the order reversed every other ro
 medians are compared.
 
     LLAMA_BENCH=/path/llama-bench IK_LLAMA_BENCH=/path/ik/llama-bench \
-        python benchmarks/decode_alternated.py FILE.gguf [--rounds 4]
+        python benchmarks/decode_alternated.py FILE.gguf [--rounds 4] [--test tg128|pp512]
 
-Ours: the 128 tokens after the first of a greedy answer (`ignore_eos`), through `LLM`. Theirs:
-`llama-bench -p 0 -n 128 -r 1` (llama.cpp with `-fa 1`, ik_llama.cpp with `-fa 0 -rtr 1`).
+tg128 (decode). Ours: the 128 tokens after the first of a greedy answer (`ignore_eos`), through
+`LLM`. Theirs: `llama-bench -p 0 -n 128 -r 1` (llama.cpp with `-fa 1`, ik_llama.cpp with
+`-fa 0 -rtr 1`).
+pp512 (prompt processing). Ours: a 512-token prompt (random token ids, none cached) to its first
+token, the better of two. Theirs: `llama-bench -p 512 -n 0 -r 2` (llama.cpp `-fa 1`, ik_llama.cpp
+`-fa 1 -rtr 1`, their best flags for prompts here).
 """
 
 from __future__ import annotations
@@ -39,16 +44,39 @@ print(json.dumps({"tps": 128 / (time.perf_counter() - start - out.metrics["ttft_
 """
 
 
-def ours(path: Path) -> float:
+_OURS_PROMPT = r"""
+import json, random, sys, time
+from chatapp.engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], kv_cache_memory_gib=0.5)
+first = SamplingParams(temperature=0, max_tokens=1)
+rng = random.Random(0)
+prompt = lambda n: [rng.randrange(1000, 20000) for _ in range(n)]  # ordinary tokens, a new prompt each time
+llm.generate([prompt(64)], first)
+best = 0.0
+for _ in range(2):
+    start = time.perf_counter()
+    llm.generate([prompt(512)], first)
+    best = max(best, 512 / (time.perf_counter() - start))
+print(json.dumps({"tps": best}))
+"""
+
+# Per test: our script, llama-bench's -p/-n/-r, and each baseline's flags.
+TESTS = {
+    "tg128": (_OURS, ["-p", "0", "-n", "128", "-r", "1"], ["-fa", "1"], ["-fa", "0", "-rtr", "1"]),
+    "pp512": (_OURS_PROMPT, ["-p", "512", "-n", "0", "-r", "2"], ["-fa", "1"], ["-fa", "1", "-rtr", "1"]),
+}
+
+
+def ours(path: Path, script: str) -> float:
     proc = subprocess.run(
-        [sys.executable, "-c", _OURS, str(path)], capture_output=True, text=True, cwd=ROOT, check=True, timeout=1800
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, cwd=ROOT, check=True, timeout=1800
     )
     return float(json.loads(proc.stdout.strip().splitlines()[-1])["tps"])
 
 
-def llama_bench(binary: str, path: Path, flags: list[str]) -> float:
+def llama_bench(binary: str, path: Path, test: list[str], flags: list[str]) -> float:
     proc = subprocess.run(
-        [binary, "-m", str(path), "-t", "2", "-p", "0", "-n", "128", "-r", "1", "-o", "json", *flags],
+        [binary, "-m", str(path), "-t", "2", *test, "-o", "json", *flags],
         capture_output=True,
         text=True,
         env=BASE_ENV,
@@ -62,14 +90,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", type=Path)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--test", choices=sorted(TESTS), default="tg128")
     args = parser.parse_args()
-    engines: list[tuple[str, Callable[[], float]]] = [("ours", lambda: ours(args.file))]
+    script, test, mainline_flags, ik_flags = TESTS[args.test]
+    engines: list[tuple[str, Callable[[], float]]] = [("ours", lambda: ours(args.file, script))]
     if os.environ.get("LLAMA_BENCH"):
-        engines.append(("llama.cpp", lambda: llama_bench(os.environ["LLAMA_BENCH"], args.file, ["-fa", "1"])))
+        engines.append(("llama.cpp", lambda: llama_bench(os.environ["LLAMA_BENCH"], args.file, test, mainline_flags)))
     if os.environ.get("IK_LLAMA_BENCH"):
-        engines.append(
-            ("ik_llama.cpp", lambda: llama_bench(os.environ["IK_LLAMA_BENCH"], args.file, ["-fa", "0", "-rtr", "1"]))
-        )
+        engines.append(("ik_llama.cpp", lambda: llama_bench(os.environ["IK_LLAMA_BENCH"], args.file, test, ik_flags)))
     results: dict[str, list[float]] = {name: [] for name, _ in engines}
     for round_ in range(args.rounds):
         for name, run in engines if round_ % 2 == 0 else engines[::-1]:
