@@ -239,7 +239,14 @@ async def test_compare_mode_on_two_models_of_the_one_engine(
             # pressed before that could act on the pane just left: see the closing note of this stop.)
             await wait_for(pilot, lambda: pane.prompt.has_focus and main_screen(app).active_pane is pane, "moved")  # noqa: B023
             await pilot.press("alt+m")
-            await wait_for(pilot, lambda: pane.compare, f"pane {i} marked")  # noqa: B023
+            try:
+                await wait_for(pilot, lambda: pane.compare, f"pane {i} marked")  # noqa: B023
+            except AssertionError as exc:  # failed twice under a loaded CI machine: say where Alt+M went
+                screen = main_screen(app)
+                raise AssertionError(
+                    f"{exc}; active pane {screen.active}, focused {app.focused!r}, screens {app.screen_stack}, "
+                    f"marked {[p.compare for p in panes(app)]}, engine {app.engine.state}"
+                ) from None
         assert first.compare and second.compare
         await send(pilot, first, PROMPTS[0])
         try:
