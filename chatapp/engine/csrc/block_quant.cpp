@@ -121,7 +121,8 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum
   }
 }
 
-void quantize_rows(const at::Tensor& x, QuantizedActivations& a) {
+// regroup: also fill the batched VNNI loop's copy (only that loop reads it).
+void quantize_rows(const at::Tensor& x, QuantizedActivations& a, bool regroup) {
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kQuantBlock;
   a.resize(rows, k);
   const float* xp = x.data_ptr<float>();
@@ -130,7 +131,7 @@ void quantize_rows(const at::Tensor& x, QuantizedActivations& a) {
       quantize_row(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * blocks, a.sum.data() + r * blocks,
                    a.qsum.data() + r * blocks);
   });
-  if (rows > 1) a.group(rows, k);
+  if (regroup && rows > 1) a.group(rows, k);
 }
 
 // Where a kind's (tile, block) keeps what is not codes: 16 fp16 scales, then (Q4, Q5M) 16 fp16 minimums.
@@ -377,7 +378,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
     return y;
   }
   static thread_local QuantizedActivations acts;
-  quantize_rows(x, acts);
+  quantize_rows(x, acts, path == kPathVnni);
   const QuantizedActivations& a = acts;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     on_path(path, [&](auto loop) {

@@ -116,7 +116,8 @@ void quantize_row_superblocks(const float* x, int64_t k, int8_t* q, float* scale
   }
 }
 
-void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a) {
+// regroup: also fill by_group, the batched VNNI loop's copy (only that loop reads it).
+void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a, bool regroup) {
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0);
   a.resize(rows, k);
   const float* xp = x.data_ptr<float>();
@@ -126,7 +127,7 @@ void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a) {
                                a.sum16.data() + r * (k / 16), a.pair32.data() + r * (k / 64),
                                a.pair16.data() + r * (k / 32));
   });
-  if (rows > 1) {  // the batched loop's copy (one-row loops read q)
+  if (regroup && rows > 1) {  // one-row loops read q
     const int64_t chunks = (rows + SuperBlockActivations::kChunkRows - 1) / SuperBlockActivations::kChunkRows;
     if (a.by_group.size() < static_cast<size_t>(chunks * SuperBlockActivations::kChunkRows * k))
       a.by_group.resize(chunks * SuperBlockActivations::kChunkRows * k);
@@ -479,7 +480,7 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
 void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, int64_t kind, int64_t out_features,
                    const float* bias, float* y, KernelPath path) {
   static thread_local SuperBlockActivations acts;
-  quantize_superblock_rows(x, acts);
+  quantize_superblock_rows(x, acts, path == kPathVnni);
   const SuperBlockActivations& a = acts;
   const int64_t rows = x.size(0), k = x.size(1);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
