@@ -66,12 +66,9 @@ struct SuperBlockActivations {
     if (pair16.size() < static_cast<size_t>(rows * (k / 32))) pair16.resize(rows * (k / 32));
   }
 
-  // Row r's codes of group g (inputs 32g..32g+31) in by_group.
-  int8_t* grouped(int64_t r, int64_t g, int64_t k) {
-    return by_group.data() + ((r / kChunkRows * (k / 32) + g) * kChunkRows + r % kChunkRows) * 32;
-  }
-  const int8_t* grouped(int64_t r, int64_t g, int64_t k) const {
-    return const_cast<SuperBlockActivations*>(this)->grouped(r, g, k);
+  // Where row r's codes of group g (inputs 32g..32g+31) start in by_group.
+  static int64_t grouped(int64_t r, int64_t g, int64_t k) {
+    return ((r / kChunkRows * (k / 32) + g) * kChunkRows + r % kChunkRows) * 32;
   }
 };
 
@@ -133,7 +130,7 @@ void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a, boo
       a.by_group.resize(chunks * SuperBlockActivations::kChunkRows * k);
     at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        for (int64_t g = 0; g < k / 32; ++g) std::memcpy(a.grouped(r, g, k), a.q.data() + r * k + 32 * g, 32);
+        for (int64_t g = 0; g < k / 32; ++g) std::memcpy(a.by_group.data() + a.grouped(r, g, k), a.q.data() + r * k + 32 * g, 32);
     });
   }
 }
@@ -226,13 +223,6 @@ inline __m512i dot_chain(const __m512i w[4], const int8_t* xq) {
   s = _mm512_dpbusd_epi32(s, w[1], broadcast4(xq + 4));
   s = _mm512_dpbusd_epi32(s, w[2], broadcast4(xq + 8));
   return _mm512_dpbusd_epi32(s, w[3], broadcast4(xq + 12));
-}
-
-// A group's whole dot (inputs 0-31) in one chain: register j holds inputs 4j..4j+3 in both halves.
-inline __m512i dot_chain8(const __m512i w[8], const int8_t* xq) {
-  __m512i s = _mm512_setzero_si512();
-  for (int j = 0; j < 8; ++j) s = _mm512_dpbusd_epi32(s, w[j], broadcast4(xq + 4 * j));
-  return s;
 }
 
 // One group's share of a row's integer sum: sc * dot (Q4_K, Q5_K), or each sub-block's sc * dot (Q6_K;
@@ -355,7 +345,7 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
       __m512i w[8], sc0, sc1;
       load_group<kKind>(blk, g, w, sc0, sc1);
       for (int64_t r = 0; r < count; ++r) {
-        const int8_t* xq = a.grouped(m0 + r, b * 8 + g, k);
+        const int8_t* xq = a.by_group.data() + a.grouped(m0 + r, b * 8 + g, k);
         int32_t* is = isum + r * kQuantTile;
         _mm512_store_si512(is, _mm512_add_epi32(_mm512_load_si512(is), group_sum<kKind>(w, sc0, sc1, xq)));
       }
