@@ -103,6 +103,29 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
     assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q6_K"])
+def test_threads_sharing_a_linear_compute_every_tile_once(ext, type_name: str) -> None:
+    """Two threads split a linear's tiles as they go (one takes tiles from the back of the other's share
+    when it runs out): over many calls, one row and a batch, every output equals the one-thread result
+    bit for bit. The inputs alternate, so a tile left unwritten would show the other input's values."""
+    rng = np.random.default_rng(11)
+    n, k = 37 * 16 + 5, 512  # 38 tiles, the last one partial
+    raw = random_blocks(type_name, n, k, rng)
+    packed, kind = repack(ext, raw, type_name, k)
+    torch.manual_seed(1)
+    inputs = [torch.randn(rows, k) for rows in (1, 1, 9, 9)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [ext.block_linear(x, packed, kind, n, None) for x in inputs]
+        torch.set_num_threads(2)
+        for call in range(400):
+            i = call % len(inputs)
+            assert torch.equal(ext.block_linear(inputs[i], packed, kind, n, None), alone[i]), (call, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_repack_rejects_rows_that_do_not_match_the_type(ext) -> None:
     raw = random_blocks("Q4_K", 16, 512, np.random.default_rng(0))
     with pytest.raises(RuntimeError, match="row bytes"):

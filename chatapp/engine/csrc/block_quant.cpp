@@ -380,7 +380,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
   static thread_local QuantizedActivations acts;
   quantize_rows(x, acts, path == kPathVnni);
   const QuantizedActivations& a = acts;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  for_tiles_balanced(tiles, [&](int64_t t0, int64_t t1) {
     on_path(path, [&](auto loop) {
       if (kind == kKindQ4) tile_loop<kKindQ4>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
       else if (kind == kKindQ4S) tile_loop<kKindQ4S>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);

@@ -473,7 +473,7 @@ void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, in
   quantize_superblock_rows(x, acts, path == kPathVnni);
   const SuperBlockActivations& a = acts;
   const int64_t rows = x.size(0), k = x.size(1);
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  for_tiles_balanced(tiles, [&](int64_t t0, int64_t t1) {
     on_path(path, [&](auto loop) {
       if (kind == kKindQ4K) tile_loop<kKindQ4K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
       else if (kind == kKindQ5K) tile_loop<kKindQ5K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);

@@ -4,12 +4,15 @@
 // tile's outputs go, and which loop a KernelPath runs. Each loop's arithmetic stays in its own file, a lambda
 // the walk calls: a template parameter, inlined, so the walk compiles to the loops it replaced (the same loop
 // order, prefetches and stores).
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "avx2_dot.h"
 #include "block_quant.h"
@@ -181,4 +184,54 @@ inline float half_at(const uint8_t* p) {
   c10::Half h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(h);
+}
+
+// run(t0, t1) over output tiles [0, tiles) on the intra-op threads, so that no thread waits long for another
+// at the end. Each thread walks its own contiguous share from the front, kTilesPerClaim tiles at a time (one
+// stream the prefetchers follow, an atomic step per 40-300 KB of weights); one that runs out takes single
+// tiles from the back of the share with the most left. Why: with a fixed split, the thread woken second or
+// reading slower memory at that moment left the other idle for ~8% of a decode step's linear time (measured
+// on a 1B Q4_K_M model). A tile is always computed whole by one thread with the same arithmetic, so where
+// it runs never changes its bits.
+constexpr int64_t kTilesPerClaim = 4;
+
+template <class Run>
+inline void for_tiles_balanced(int64_t tiles, Run&& run) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tiles);
+  if (threads <= 1) return run(int64_t{0}, tiles);
+  // A share's unclaimed tiles [front, back): front in the low 32 bits, back in the high, changed by CAS.
+  struct alignas(64) Share {
+    std::atomic<uint64_t> range;
+  };
+  const std::unique_ptr<Share[]> shares(new Share[threads]);
+  auto pack = [](uint64_t front, uint64_t back) { return front | (back << 32); };
+  for (int64_t t = 0; t < threads; ++t) shares[t].range.store(pack(t * tiles / threads, (t + 1) * tiles / threads));
+  // Takes up to n tiles from the front (or the back) of share s: [t0, t1), empty when none is left.
+  auto take = [&](int64_t s, int64_t n, bool from_back, int64_t& t0, int64_t& t1) {
+    uint64_t cur = shares[s].range.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(cur & 0xFFFFFFFFu), back = static_cast<int64_t>(cur >> 32);
+      const int64_t got = std::min(n, back - front);
+      if (got <= 0) return false;
+      t0 = from_back ? back - got : front;
+      t1 = t0 + got;
+      const uint64_t next = from_back ? pack(front, back - got) : pack(front + got, back);
+      if (shares[s].range.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return true;
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    int64_t t0 = 0, t1 = 0;
+    for (int64_t me = begin; me < end; ++me)
+      while (take(me, kTilesPerClaim, false, t0, t1)) run(t0, t1);
+    for (;;) {  // the others' tiles, from the back of the fullest share
+      int64_t fullest = -1, most = 0;
+      for (int64_t s = 0; s < threads; ++s) {
+        const uint64_t cur = shares[s].range.load(std::memory_order_relaxed);
+        const int64_t left = static_cast<int64_t>(cur >> 32) - static_cast<int64_t>(cur & 0xFFFFFFFFu);
+        if (left > most) fullest = s, most = left;
+      }
+      if (fullest < 0) return;
+      if (take(fullest, 1, true, t0, t1)) run(t0, t1);
+    }
+  });
 }
