@@ -29,6 +29,8 @@
 
 #include "vec16.h"
 
+#define CHATAPP_ALWAYS_INLINE __attribute__((always_inline))
+
 namespace {
 
 constexpr int64_t kPrefetchBlocks = 2;  // how far ahead the cache blocks are fetched
@@ -56,16 +58,18 @@ struct Geometry {
   int64_t H, D, bs, Hkv, G, max_blocks;
 };
 
-// Scores of NV rows against the 16 keys of one block starting at `base` (transposed cache).
+// Scores of NV rows against the 16 keys of one block starting at `base` (transposed cache). qt: the rows'
+// queries transposed, row l's element d at qt[d * kLanes + l] (one pointer for all rows: with a pointer per
+// row, GCC ran out of general registers and kept them in vector ones, moved back for every multiply).
 template <int NV, typename T>
-inline void keys_chunk(const T* base, const Geometry& g, const float* const* qrow, const int64_t* last,
+inline void keys_chunk(const T* base, const Geometry& g, const float* qt, const int64_t* last,
                        int64_t start, float scale, float* scores, int64_t stride) {
 #if !defined(CHATAPP_VEC_AVX2)
   v16 s[NV];
   for (int l = 0; l < NV; ++l) s[l] = splat(0.f);
   for (int64_t d = 0; d < g.D; ++d) {
     const v16 k = load_wide(base + d * g.bs);  // one read of 16 keys serves every row
-    for (int l = 0; l < NV; ++l) s[l] = fmadd(splat(qrow[l][d]), k, s[l]);
+    for (int l = 0; l < NV; ++l) s[l] = fmadd(splat(qt[d * kLanes + l]), k, s[l]);
   }
   for (int l = 0; l < NV; ++l)
     if (start <= last[l]) store(scores + l * stride + start, s[l] * splat(scale));
@@ -77,7 +81,7 @@ inline void keys_chunk(const T* base, const Geometry& g, const float* const* qro
     __m256 klo, khi;
     load_wide8x2(base + d * g.bs, klo, khi);
     for (int l = 0; l < NV; ++l) {
-      const __m256 qd = _mm256_set1_ps(qrow[l][d]);
+      const __m256 qd = _mm256_set1_ps(qt[d * kLanes + l]);
       lo[l] = _mm256_fmadd_ps(qd, klo, lo[l]);
       hi[l] = _mm256_fmadd_ps(qd, khi, hi[l]);
     }
@@ -95,7 +99,7 @@ inline void keys_chunk(const T* base, const Geometry& g, const float* const* qro
 // transposed cache. scores[l * stride + pos] for pos <= last[l] (later entries are scratch).
 template <typename T>
 void scores_keys_in_lanes(const T* kt, const int32_t* table, int64_t kv_head, const Geometry& g,
-                          const float* const* qrow, const int64_t* last, int64_t nv, float scale, float* scores,
+                          const float* qt, const int64_t* last, int64_t nv, float scale, float* scores,
                           int64_t stride, int64_t from) {
   int64_t num_keys = 0;
   for (int64_t l = 0; l < nv; ++l) num_keys = std::max(num_keys, last[l] + 1);
@@ -109,7 +113,7 @@ void scores_keys_in_lanes(const T* kt, const int32_t* table, int64_t kv_head, co
           prefetch_lines(kt + ((static_cast<int64_t>(table[start / g.bs + ahead]) * g.Hkv + kv_head) * g.D) * g.bs,
                          g.D * g.bs, 1);
       for (int64_t r = 0; r < nv; r += kRowGroup) {  // a fixed row count keeps accumulators in registers
-        const float* const* q = qrow + r;
+        const float* q = qt + r;
         const int64_t* lr = last + r;
         float* sr = scores + r * stride;
         switch (std::min<int64_t>(kRowGroup, nv - r)) {
@@ -126,12 +130,11 @@ void scores_keys_in_lanes(const T* kt, const int32_t* table, int64_t kv_head, co
       continue;
     }
     for (int64_t l = 0; l < nv; ++l) {  // small blocks: the same chain, one key at a time
-      const float* q = qrow[l];
       for (int64_t pos = start; pos < std::min(start + kLanes, last[l] + 1); ++pos) {
         const T* k = kt + ((static_cast<int64_t>(table[pos / g.bs]) * g.Hkv + kv_head) * g.D) * g.bs +
                      pos % g.bs;
         float s = 0.f;
-        for (int64_t d = 0; d < g.D; ++d) s = fmadd(q[d], widen(k[d * g.bs]), s);
+        for (int64_t d = 0; d < g.D; ++d) s = fmadd(qt[d * kLanes + l], widen(k[d * g.bs]), s);
         scores[l * stride + pos] = s * scale;
       }
     }
@@ -177,6 +180,51 @@ void softmax_row(float* s, int64_t n) {
 constexpr int64_t kValueSlice = 128;
 #else
 constexpr int64_t kValueSlice = 32;
+#endif
+
+#if !defined(CHATAPP_VEC_AVX2)
+// weighted_values' vector loop for exactly NR rows: with the count a constant the NR x C accumulators stay in
+// registers (with a runtime count GCC kept them on the stack, a load and a store per multiply-add). Positions
+// every row attends take no per-row test. Each output element keeps its one chain over positions in order.
+template <int C, int NR, typename T>
+void values_rows(float* const* w, const int64_t* first_key, const int64_t* last, const T* vp, const int32_t* table,
+                 int64_t kv_head, const Geometry& g, float* const* out) {
+  const int64_t row = g.Hkv * g.D;
+  v16 acc[NR][C];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = splat(0.f);
+  int64_t end = 0, begin = last[0], all_from = 0, all_to = last[0];  // all rows attend all_from..all_to
+  for (int r = 0; r < NR; ++r) {
+    end = std::max(end, last[r] + 1), begin = std::min(begin, first_key[r]);
+    all_from = std::max(all_from, first_key[r]), all_to = std::min(all_to, last[r]);
+  }
+  for (int64_t first = begin / g.bs * g.bs; first < end; first += g.bs) {  // block by block: no division per position
+    const T* slot0 = vp + static_cast<int64_t>(table[first / g.bs]) * g.bs * row + kv_head * g.D;
+    const int64_t n = std::min(g.bs, end - first);
+    for (int64_t ahead = first == begin / g.bs * g.bs ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
+      if (first + ahead * g.bs < end)  // the coming blocks' values of this head, fetched early
+        prefetch_lines(vp + static_cast<int64_t>(table[first / g.bs + ahead]) * g.bs * row + kv_head * g.D,
+                       C * kLanes, g.bs, row);
+    auto add = [&](int64_t j, bool every_row) CHATAPP_ALWAYS_INLINE {
+      const int64_t p = first + j;
+      const T* value = slot0 + j * row;
+      v16 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load_wide(value + c * kLanes);
+      for (int r = 0; r < NR; ++r) {
+        if (!every_row && (p > last[r] || p < first_key[r])) continue;
+        const v16 wr = splat(w[r][p]);
+        for (int c = 0; c < C; ++c) acc[r][c] = fmadd(wr, v[c], acc[r][c]);
+      }
+    };
+    // Slots [j0, j1) of this block are attended by every row; the ones either side are tested row by row.
+    const int64_t j0 = std::clamp<int64_t>(all_from - first, 0, n), j1 = std::clamp<int64_t>(all_to + 1 - first, j0, n);
+    for (int64_t j = 0; j < j0; ++j) add(j, false);
+    for (int64_t j = j0; j < j1; ++j) add(j, true);
+    for (int64_t j = j1; j < n; ++j) add(j, false);
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < C; ++c) store(out[r] + c * kLanes, acc[r][c]);
+}
 #endif
 
 // out_r = sum over p <= last_r, in position order, of w_r[p] * v_p, for a few rows sharing each read
@@ -226,32 +274,12 @@ void weighted_values(float* const* w, const int64_t* first_key, const int64_t* l
     for (int r = 0; r < nr; ++r)
       for (int c = 0; c < 2 * C; ++c) _mm256_storeu_ps(out[r] + 8 * c, acc[r][c]);
 #else
-    v16 acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = splat(0.f);
-    int64_t end = 0, begin = last[0];
-    for (int r = 0; r < nr; ++r) end = std::max(end, last[r] + 1), begin = std::min(begin, first_key[r]);
-    for (int64_t first = begin / g.bs * g.bs; first < end; first += g.bs) {  // block by block: no division per position
-      const T* slot0 = vp + static_cast<int64_t>(table[first / g.bs]) * g.bs * row + kv_head * g.D;
-      const int64_t n = std::min(g.bs, end - first);
-      for (int64_t ahead = first == begin / g.bs * g.bs ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead)
-        if (first + ahead * g.bs < end)  // the coming blocks' values of this head, fetched early
-          prefetch_lines(vp + static_cast<int64_t>(table[first / g.bs + ahead]) * g.bs * row + kv_head * g.D, g.D,
-                         g.bs, row);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = first + j;
-        const T* value = slot0 + j * row;
-        v16 v[C];
-        for (int c = 0; c < C; ++c) v[c] = load_wide(value + c * kLanes);
-        for (int r = 0; r < nr; ++r) {
-          if (p > last[r] || p < first_key[r]) continue;
-          const v16 wr = splat(w[r][p]);
-          for (int c = 0; c < C; ++c) acc[r][c] = fmadd(wr, v[c], acc[r][c]);
-        }
-      }
+    switch (nr) {  // the row count as a constant: see values_rows
+      case 1: return values_rows<C, 1>(w, first_key, last, vp, table, kv_head, g, out);
+      case 2: return values_rows<C, std::min(2, R)>(w, first_key, last, vp, table, kv_head, g, out);
+      case 3: return values_rows<C, std::min(3, R)>(w, first_key, last, vp, table, kv_head, g, out);
+      default: return values_rows<C, std::min(4, R)>(w, first_key, last, vp, table, kv_head, g, out);
     }
-    for (int r = 0; r < nr; ++r)
-      for (int c = 0; c < C; ++c) store(out[r] + c * kLanes, acc[r][c]);
 #endif
   }
 }
@@ -298,7 +326,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, qt(g.D * kLanes);
     for (int64_t t = begin; t < end; ++t) {
       const Task& task = tasks[t];
       const int64_t b = task.request, q_len = qsl[b + 1] - qsl[b], start = lens[b] - q_len;
@@ -316,10 +344,12 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
         num_keys = std::max(num_keys, last[l] + 1);
         from = std::min(from, first_key[l] / kLanes * kLanes);
       }
+      for (int64_t d = 0; d < g.D; ++d)
+        for (int64_t l = 0; l < nv; ++l) qt[d * kLanes + l] = qrow[l][d];
       const int32_t* table = tables + b * g.max_blocks;
       const int64_t stride = (num_keys + kLanes - 1) / kLanes * kLanes;
       scores.assign(nv * stride, 0.f);
-      scores_keys_in_lanes(ktp, table, task.kv_head, g, qrow, last, nv, fscale, scores.data(), stride, from);
+      scores_keys_in_lanes(ktp, table, task.kv_head, g, qt.data(), last, nv, fscale, scores.data(), stride, from);
       for (int64_t l = 0; l < nv; ++l) {
         float* row = scores.data() + l * stride;
         if (softcap > 0)  // Gemma 2: cap * tanh(score / cap), before the softmax

@@ -13,7 +13,9 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned l
 typedef int32_t i16v __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
-inline v16 splat(float x) { return v16{} + x; }
+// x in every lane. (Not v16{} + x: that is an addition GCC must keep, 0 + -0 being +0, and it cost an add
+// and a broadcast per use where a broadcast load folds into the instruction using it.)
+inline v16 splat(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
 // a * b + c rounded once where the CPU has FMA, in every lane and in scalar code alike (std::fma is
 // the same correctly rounded operation), so a value never depends on which path computed it.
