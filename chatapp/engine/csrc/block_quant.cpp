@@ -168,9 +168,18 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
   const int64_t blocks = k / kQuantBlock;
   alignas(64) float acc[kRows * kQuantTile];
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // One row of 4-bit codes: the high nibbles stay in place (16 x the code, still an unsigned byte) and the
+  // inputs 16-31 dot is shifted back once, exactly (kquant.cpp's Q4_K one-row loop does the same).
+  const bool high_in_place = (kKind == kKindQ4 || kKind == kKindQ4S) && rows == 1;
   auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
     __m512i w[8];
-    if constexpr (nibble_codes(kKind)) {
+    if (high_in_place) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * j);
+        w[j] = _mm512_and_si512(v, low4);
+        w[j + 4] = _mm512_andnot_si512(low4, v);
+      }
+    } else if constexpr (nibble_codes(kKind)) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(blk + 64 * j);
         w[j] = _mm512_and_si512(v, low4);
@@ -187,14 +196,15 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
     // Row r (of the pass) from its codes xq, block scale, sum and code sum.
     auto add_row = [&](int64_t r, const int8_t* xq, float x_scale, float x_sum, int32_t x_qsum) CHATAPP_INLINE {
       // Two independent chains (inputs 0-15 and 16-31) halve the dot instructions' latency.
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], broadcast4(xq + 16));
-      s0 = _mm512_dpbusd_epi32(s0, w[1], broadcast4(xq + 4));
-      s1 = _mm512_dpbusd_epi32(s1, w[5], broadcast4(xq + 20));
-      s0 = _mm512_dpbusd_epi32(s0, w[2], broadcast4(xq + 8));
-      s1 = _mm512_dpbusd_epi32(s1, w[6], broadcast4(xq + 24));
-      s0 = _mm512_dpbusd_epi32(s0, w[3], broadcast4(xq + 12));
-      s1 = _mm512_dpbusd_epi32(s1, w[7], broadcast4(xq + 28));
+      __m512i s0 = dot_broadcast4(_mm512_setzero_si512(), w[0], xq);
+      __m512i s1 = dot_broadcast4(_mm512_setzero_si512(), w[4], xq + 16);
+      s0 = dot_broadcast4(s0, w[1], xq + 4);
+      s1 = dot_broadcast4(s1, w[5], xq + 20);
+      s0 = dot_broadcast4(s0, w[2], xq + 8);
+      s1 = dot_broadcast4(s1, w[6], xq + 24);
+      s0 = dot_broadcast4(s0, w[3], xq + 12);
+      s1 = dot_broadcast4(s1, w[7], xq + 28);
+      if (high_in_place) s1 = _mm512_srai_epi32(s1, 4);
       __m512i s = _mm512_add_epi32(s0, s1);
       if constexpr (code_offset(kKind) != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(code_offset(kKind) * x_qsum));
       float* out = acc + r * kQuantTile;

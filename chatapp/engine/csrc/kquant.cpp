@@ -219,10 +219,26 @@ inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0
 }
 
 inline __m512i dot_chain(const __m512i w[4], const int8_t* xq) {
-  __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], broadcast4(xq));
-  s = _mm512_dpbusd_epi32(s, w[1], broadcast4(xq + 4));
-  s = _mm512_dpbusd_epi32(s, w[2], broadcast4(xq + 8));
-  return _mm512_dpbusd_epi32(s, w[3], broadcast4(xq + 12));
+  __m512i s = dot_broadcast4(_mm512_setzero_si512(), w[0], xq);
+  s = dot_broadcast4(s, w[1], xq + 4);
+  s = dot_broadcast4(s, w[2], xq + 8);
+  return dot_broadcast4(s, w[3], xq + 12);
+}
+
+// One row's Q4_K group g: sc * dot, with the high nibbles left in place. A byte's high nibble, masked, is
+// 16 x its code and still an unsigned byte, so the inputs 16-31 dot comes out 16 x too large and is shifted
+// back once (exactly: it is a multiple of 16), instead of shifting 4 registers of codes.
+CHATAPP_INLINE inline __m512i q4k_group_one_row(const uint8_t* blk, int64_t g, const int8_t* x) {
+  constexpr KindLayout L = layout_of(kKindQ4K);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(blk + 256 * g + 64 * j);
+    low = dot_broadcast4(low, _mm512_and_si512(v, low4), x + 4 * j);
+    high = dot_broadcast4(high, _mm512_andnot_si512(low4, v), x + 16 + 4 * j);
+  }
+  const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g)));
+  return _mm512_mullo_epi32(_mm512_add_epi32(low, _mm512_srai_epi32(high, 4)), sc);
 }
 
 // One group's share of a row's integer sum: sc * dot (Q4_K, Q5_K), or each sub-block's sc * dot (Q6_K;
@@ -313,9 +329,13 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
         return;
       }
       for (int64_t g = 0; g < 8; ++g) {
-        __m512i w[8], sc0, sc1;
-        load_group<kKind>(blk, g, w, sc0, sc1);
-        isum = _mm512_add_epi32(isum, group_sum<kKind>(w, sc0, sc1, xq + 32 * g));
+        if constexpr (kKind == kKindQ4K) {
+          isum = _mm512_add_epi32(isum, q4k_group_one_row(blk, g, xq + 32 * g));
+        } else {
+          __m512i w[8], sc0, sc1;
+          load_group<kKind>(blk, g, w, sc0, sc1);
+          isum = _mm512_add_epi32(isum, group_sum<kKind>(w, sc0, sc1, xq + 32 * g));
+        }
       }
       __m512i pairs[kPairs<kKind>];
       load_pairs<kKind>(blk, pairs);

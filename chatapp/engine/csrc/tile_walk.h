@@ -85,12 +85,15 @@ CHATAPP_INLINE inline void or_fifth_bits(__m256i w[8], __m256i h) {
 }
 #endif
 
-#if defined(__AVX512F__)
-// The 4 int8 activations at p in all 16 lanes (avx2_dot.h's broadcast4x8 for 512-bit registers).
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+#if defined(CHATAPP_HAVE_VNNI)
+// acc + the VNNI dot (vpdpbusd) of w's unsigned bytes with the 4 signed int8 activations at x, broadcast to
+// all 16 lanes by the instruction itself ({1to16}). Written in asm because GCC loads and broadcasts in an
+// instruction of its own: in the one-row loops, fewer instructions per weight byte let the CPU run further
+// ahead of its memory reads (1B Q4_K_M decode +4.5%, with kquant.cpp's in-place high nibbles).
+CHATAPP_INLINE inline __m512i dot_broadcast4(__m512i acc, __m512i w, const int8_t* x) {
+  typedef int32_t __attribute__((may_alias)) aliased_i32;
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const aliased_i32*>(x)));
+  return acc;
 }
 #endif
 
