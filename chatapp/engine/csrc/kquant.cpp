@@ -202,11 +202,12 @@ inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0
   if constexpr (kKind == kKindQ6K) {
     for (int p = 0; p < 2; ++p) {
       const __m512i h = _mm512_loadu_si512(blk + L.high_offset + 128 * g + 64 * p);
-      // register 4p + j's bits are bits 2j..2j+1 of each byte: move them to bits 4-5
-      w[4 * p + 0] = _mm512_or_si512(w[4 * p + 0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bits45));
-      w[4 * p + 1] = _mm512_or_si512(w[4 * p + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), bits45));
-      w[4 * p + 2] = _mm512_or_si512(w[4 * p + 2], _mm512_and_si512(h, bits45));
-      w[4 * p + 3] = _mm512_or_si512(w[4 * p + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), bits45));
+      // register 4p + j's bits are bits 2j..2j+1 of each byte: moved to bits 4-5, w | (moved & 0x30) in one
+      // ternary-logic instruction (0xF8: a | (b & c))
+      w[4 * p + 0] = _mm512_ternarylogic_epi32(w[4 * p + 0], _mm512_slli_epi16(h, 4), bits45, 0xF8);
+      w[4 * p + 1] = _mm512_ternarylogic_epi32(w[4 * p + 1], _mm512_slli_epi16(h, 2), bits45, 0xF8);
+      w[4 * p + 2] = _mm512_ternarylogic_epi32(w[4 * p + 2], h, bits45, 0xF8);
+      w[4 * p + 3] = _mm512_ternarylogic_epi32(w[4 * p + 3], _mm512_srli_epi16(h, 2), bits45, 0xF8);
     }
   }
   if constexpr (kKind == kKindQ6K) {

@@ -64,14 +64,15 @@ CHATAPP_INLINE inline void for_each_block(const uint8_t* tile, int64_t blocks, i
 // each byte of h, moved to bit 4 (the shifts are 16-bit, hence the mask).
 CHATAPP_INLINE inline void or_fifth_bits(__m512i w[8], __m512i h) {
   const __m512i bit4 = _mm512_set1_epi8(0x10);
-  w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), bit4));
-  w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), bit4));
-  w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), bit4));
-  w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), bit4));
-  w[4] = _mm512_or_si512(w[4], _mm512_and_si512(h, bit4));
-  w[5] = _mm512_or_si512(w[5], _mm512_and_si512(_mm512_srli_epi16(h, 1), bit4));
-  w[6] = _mm512_or_si512(w[6], _mm512_and_si512(_mm512_srli_epi16(h, 2), bit4));
-  w[7] = _mm512_or_si512(w[7], _mm512_and_si512(_mm512_srli_epi16(h, 3), bit4));
+  // w | (moved & bit4) in one ternary-logic instruction (0xF8: a | (b & c))
+  w[0] = _mm512_ternarylogic_epi32(w[0], _mm512_slli_epi16(h, 4), bit4, 0xF8);
+  w[1] = _mm512_ternarylogic_epi32(w[1], _mm512_slli_epi16(h, 3), bit4, 0xF8);
+  w[2] = _mm512_ternarylogic_epi32(w[2], _mm512_slli_epi16(h, 2), bit4, 0xF8);
+  w[3] = _mm512_ternarylogic_epi32(w[3], _mm512_slli_epi16(h, 1), bit4, 0xF8);
+  w[4] = _mm512_ternarylogic_epi32(w[4], h, bit4, 0xF8);
+  w[5] = _mm512_ternarylogic_epi32(w[5], _mm512_srli_epi16(h, 1), bit4, 0xF8);
+  w[6] = _mm512_ternarylogic_epi32(w[6], _mm512_srli_epi16(h, 2), bit4, 0xF8);
+  w[7] = _mm512_ternarylogic_epi32(w[7], _mm512_srli_epi16(h, 3), bit4, 0xF8);
 }
 #endif
 
