@@ -232,6 +232,15 @@ async def test_compare_mode_on_two_models_of_the_one_engine(
         await wait_for(pilot, lambda: len(panes(app)) == 2, "a pane for the tiny model", steps=3000)
         second = panes(app)[1]
         await wait_for(pilot, lambda: "tiny-llama" in str(second.border_subtitle), "its model shown", steps=3000)
+
+        # The title shows the model as soon as the pane opens; loading it goes on in the use-model worker,
+        # whose end updates the pane again. Let it end before moving focus: Alt+M once marked the new pane
+        # after pane 0 had focus (three failures out of many runs, the last locally under a full suite).
+        def loaded() -> bool:
+            loading = [w for w in app.workers if w.group == "use-model" and not w.is_finished]
+            return not loading and not second.has_class("has-notice")
+
+        await wait_for(pilot, loaded, "the tiny model loaded", steps=3000)
         for i in (0, 1):
             pane = panes(app)[i]
             main_screen(app).focus_pane(i)
