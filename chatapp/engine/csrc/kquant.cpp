@@ -252,6 +252,27 @@ CHATAPP_INLINE inline __m512i group_sum(const __m512i w[8], __m512i sc0, __m512i
     return _mm512_mullo_epi32(_mm512_add_epi32(dot_chain(w, xq), dot_chain(w + 4, xq + 16)), sc0);
 }
 
+// Two rows' group_sum at once, for the batched loop: Q4_K / Q5_K take each row's 8 dots as one chain (one
+// scale for the group's 32 inputs), the two rows' chains interleaved to hide the dots' latency. Why: the
+// 512-bit dots share two vector ports with every other vector instruction, so the add joining two chains is
+// ~1/12 of a row's work. Q6_K (two scales a group) keeps group_sum's two chains.
+template <int64_t kKind>
+CHATAPP_INLINE inline void group_sum2(const __m512i w[8], __m512i sc0, __m512i sc1, const int8_t* x0, const int8_t* x1,
+                                      __m512i& part0, __m512i& part1) {
+  if constexpr (kKind == kKindQ6K) {
+    part0 = group_sum<kKind>(w, sc0, sc1, x0);
+    part1 = group_sum<kKind>(w, sc0, sc1, x1);
+  } else {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      s0 = dot_broadcast4(s0, w[j], x0 + 4 * (j % 4) + 16 * (j / 4));
+      s1 = dot_broadcast4(s1, w[j], x1 + 4 * (j % 4) + 16 * (j / 4));
+    }
+    part0 = _mm512_mullo_epi32(s0, sc0);
+    part1 = _mm512_mullo_epi32(s1, sc0);
+  }
+}
+
 // The per-super-block factors that multiply SuperBlockActivations' pair sums in word dots (vpdpwssd), lane c
 // holding channel c's two int16s: the minimums of groups 2p and 2p+1 (Q4_K, Q5_K: 4 pairs), or the scales
 // of sub-blocks 2p and 2p+1 (Q6_K: 8 pairs).
@@ -366,12 +387,19 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
     auto add_group = [&](int64_t g, bool first) CHATAPP_INLINE {
       __m512i w[8], sc0, sc1;
       load_group<kKind>(blk, g, w, sc0, sc1);
-      for (int64_t r = 0; r < count; ++r) {
-        const int8_t* xq = a.by_group.data() + a.grouped(m0 + r, b * 8 + g, k);
+      auto add = [&](int64_t r, __m512i part) CHATAPP_INLINE {
         int32_t* is = isum + r * kQuantTile;
-        const __m512i part = group_sum<kKind>(w, sc0, sc1, xq);
         _mm512_store_si512(is, first ? part : _mm512_add_epi32(_mm512_load_si512(is), part));
+      };
+      const int8_t* xq = a.by_group.data() + a.grouped(m0, b * 8 + g, k);  // rows m0.. follow it, 32 bytes apart
+      int64_t r = 0;
+      for (; r + 1 < count; r += 2) {
+        __m512i part0, part1;
+        group_sum2<kKind>(w, sc0, sc1, xq + 32 * r, xq + 32 * (r + 1), part0, part1);
+        add(r, part0);
+        add(r + 1, part1);
       }
+      if (r < count) add(r, group_sum<kKind>(w, sc0, sc1, xq + 32 * r));
     };
     add_group(0, true);
     for (int64_t g = 1; g < 8; ++g) add_group(g, false);
