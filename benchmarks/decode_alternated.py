@@ -8,7 +8,7 @@ each engine once, in a fresh process, in turn (the order reversed every other ro
 medians are compared.
 
     LLAMA_BENCH=/path/llama-bench IK_LLAMA_BENCH=/path/ik/llama-bench \
-        python benchmarks/decode_alternated.py FILE.gguf [--rounds 4] [--test tg128|pp512]
+        python benchmarks/decode_alternated.py FILE.gguf [--rounds 4] [--test tg128|pp512|batched8]
 
 tg128 (decode). Ours: the 128 tokens after the first of a greedy answer (`ignore_eos`), through
 `LLM`. Theirs: `llama-bench -p 0 -n 128 -r 1` (llama.cpp with `-fa 1`, ik_llama.cpp with
@@ -16,6 +16,10 @@ tg128 (decode). Ours: the 128 tokens after the first of a greedy answer (`ignore
 pp512 (prompt processing). Ours: a 512-token prompt (random token ids, none cached) to its first
 token, the better of two. Theirs: `llama-bench -p 512 -n 0 -r 2` (llama.cpp `-fa 1`, ik_llama.cpp
 `-fa 1 -rtr 1`, their best flags for prompts here).
+batched8 (8-way decode). Ours: 8 requests of 64 new prompt tokens and 128 new tokens each, at once,
+tok/s generated after the last first token, the better of two. Theirs: `llama-batched-bench -npp 64
+-ntg 128 -npl 8`'s S_TG (llama.cpp `-fa on`, ik_llama.cpp `-fa on -rtr`), from `LLAMA_BATCHED_BENCH` and
+`IK_LLAMA_BATCHED_BENCH`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,10 +65,35 @@ for _ in range(2):
 print(json.dumps({"tps": best}))
 """
 
-# Per test: our script, llama-bench's -p/-n/-r, and each baseline's flags.
+_OURS_EIGHT = r"""
+import json, sys, time
+from chatapp.engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], kv_cache_memory_gib=0.5)
+greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+llm.generate(["warm up"], greedy(8))
+best = 0.0
+for run in range(2):  # new prompts each run (no prefix-cache hits)
+    prompts = [[2000 + run * 700 + i * 50 + j for j in range(64)] for i in range(8)]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, greedy(128))
+    generating = time.perf_counter() - start - max(o.metrics["ttft_s"] for o in outs)
+    best = max(best, 8 * 127 / generating)  # after the last first token, as llama-batched-bench's S_TG
+print(json.dumps({"tps": best}))
+"""
+
+# Per test: our script, the baselines' tool (llama-bench or llama-batched-bench) and its arguments, and each
+# baseline's own flags.
 TESTS = {
-    "tg128": (_OURS, ["-p", "0", "-n", "128", "-r", "1"], ["-fa", "1"], ["-fa", "0", "-rtr", "1"]),
-    "pp512": (_OURS_PROMPT, ["-p", "512", "-n", "0", "-r", "2"], ["-fa", "1"], ["-fa", "1", "-rtr", "1"]),
+    "tg128": (_OURS, "bench", ["-p", "0", "-n", "128", "-r", "1"], ["-fa", "1"], ["-fa", "0", "-rtr", "1"]),
+    "pp512": (_OURS_PROMPT, "bench", ["-p", "512", "-n", "0", "-r", "2"], ["-fa", "1"], ["-fa", "1", "-rtr", "1"]),
+    # 8 sequences of 64 prompt tokens, 128 new tokens each: generation tok/s (S_TG)
+    "batched8": (
+        _OURS_EIGHT,
+        "batched",
+        ["-c", "2048", "-b", "512", "-npp", "64", "-ntg", "128", "-npl", "8"],
+        ["-fa", "on"],
+        ["-fa", "on", "-rtr"],
+    ),
 }
 
 
@@ -86,18 +116,35 @@ def llama_bench(binary: str, path: Path, test: list[str], flags: list[str]) -> f
     return float(json.loads(proc.stdout)[0]["avg_ts"])
 
 
+def batched_bench(binary: str, path: Path, test: list[str], flags: list[str]) -> float:
+    """llama-batched-bench's S_TG (generation tok/s) for the one row its arguments ask for."""
+    proc = subprocess.run(
+        [binary, "-m", str(path), "-t", "2", *test, *flags],
+        capture_output=True,
+        text=True,
+        env=BASE_ENV,
+        check=True,
+        timeout=1800,
+    )
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\|\s+64\s+\|\s+128\s+\|\s+8\s+\|", line)]
+    if not rows:
+        raise RuntimeError(f"no result row in {binary}'s output:\n{proc.stdout[-2000:]}")
+    return float([c.strip() for c in rows[-1].strip().strip("|").split("|")][7])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", type=Path)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--test", choices=sorted(TESTS), default="tg128")
     args = parser.parse_args()
-    script, test, mainline_flags, ik_flags = TESTS[args.test]
+    script, tool, test, mainline_flags, ik_flags = TESTS[args.test]
+    run_tool, variable = (llama_bench, "LLAMA_BENCH") if tool == "bench" else (batched_bench, "LLAMA_BATCHED_BENCH")
     engines: list[tuple[str, Callable[[], float]]] = [("ours", lambda: ours(args.file, script))]
-    if os.environ.get("LLAMA_BENCH"):
-        engines.append(("llama.cpp", lambda: llama_bench(os.environ["LLAMA_BENCH"], args.file, test, mainline_flags)))
-    if os.environ.get("IK_LLAMA_BENCH"):
-        engines.append(("ik_llama.cpp", lambda: llama_bench(os.environ["IK_LLAMA_BENCH"], args.file, test, ik_flags)))
+    if os.environ.get(variable):
+        engines.append(("llama.cpp", lambda: run_tool(os.environ[variable], args.file, test, mainline_flags)))
+    if os.environ.get(f"IK_{variable}"):
+        engines.append(("ik_llama.cpp", lambda: run_tool(os.environ[f"IK_{variable}"], args.file, test, ik_flags)))
     results: dict[str, list[float]] = {name: [] for name, _ in engines}
     for round_ in range(args.rounds):
         for name, run in engines if round_ % 2 == 0 else engines[::-1]:
