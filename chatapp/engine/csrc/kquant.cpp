@@ -14,8 +14,9 @@
 //   Q4_K / Q5_K: y += isum * (d * dx) - imin * (dmin * dx),  isum = sum_g sc_g * dot_g, imin = sum_g m_g * xsum_g
 //   Q6_K:        y += isum * (d * dx),  isum = sum_s sc_s * (dot_s - 32 * xsum_s)  (sub-blocks of 16)
 // The integer parts are exact, so the VNNI loops may gather them in whatever order is cheapest: the
-// minimums' sum imin and Q6_K's 32 * sum_s sc_s * xsum_s come from word dots (vpdpwssd) on two groups'
-// (sub-blocks') factors at once, once per super-block rather than a multiply per group.
+// minimums' sum imin comes from word dots (vpdpwssd) on two groups' factors at once, once per super-block
+// rather than a multiply per group, and each Q6_K sub-block's dot chain starts at -32 * xsum_s (read from
+// memory), so its offset costs no instruction of its own.
 // Every output runs the same float steps whatever the batch holds: answers are batch-invariant, and the
 // portable loop below does the same arithmetic one value at a time (tests hold the two to the same bits).
 //
@@ -51,7 +52,9 @@ struct SuperBlockActivations {
   // [M, K / 64]: the sums of inputs 64p..64p+31 and 64p+32..64p+63 (groups 2p and 2p+1) as the low and high
   // int16 of one int32 (|sum| <= 32 * 128 fits), so one VNNI word dot (vpdpwssd) takes two groups' minimums.
   std::vector<int32_t> pair32;
-  std::vector<int32_t> pair16;  // [M, K / 32]: the same for the sums of 16 (sub-blocks 2p and 2p+1, for Q6_K)
+  // [M, K / 16]: -32 x each sum of 16, where a Q6_K sub-block's dot chain starts (its codes' offset of 32 taken
+  // off for free: the VNNI loops read it with a broadcast from memory)
+  std::vector<int32_t> q6_start;
   // The codes again, for the batched VNNI loop, in the order it reads them: [rows / kChunkRows][K / 32 groups]
   // [kChunkRows][32]. It takes one group of inputs for 32 rows in turn; in q those sit K bytes apart, a
   // stride the prefetchers miss (measured: 6-18% slower than codes in L1), here they are one 1 KB run.
@@ -63,7 +66,7 @@ struct SuperBlockActivations {
     if (scale.size() < static_cast<size_t>(rows * (k / kSuperBlock))) scale.resize(rows * (k / kSuperBlock));
     if (sum16.size() < static_cast<size_t>(rows * (k / 16))) sum16.resize(rows * (k / 16));
     if (pair32.size() < static_cast<size_t>(rows * (k / 64))) pair32.resize(rows * (k / 64));
-    if (pair16.size() < static_cast<size_t>(rows * (k / 32))) pair16.resize(rows * (k / 32));
+    if (q6_start.size() < static_cast<size_t>(rows * (k / 16))) q6_start.resize(rows * (k / 16));
   }
 
   // Where row r's codes of group g (inputs 32g..32g+31) start in by_group.
@@ -78,7 +81,7 @@ inline int32_t word_pair(int32_t low, int32_t high) {
 }
 
 void quantize_row_superblocks(const float* x, int64_t k, int8_t* q, float* scale, int32_t* sum16, int32_t* pair32,
-                              int32_t* pair16) {
+                              int32_t* q6_start) {
   for (int64_t b = 0; b < k / kSuperBlock; ++b) {
     const float* xb = x + b * kSuperBlock;
     int8_t* qb = q + b * kSuperBlock;
@@ -109,7 +112,7 @@ void quantize_row_superblocks(const float* x, int64_t k, int8_t* q, float* scale
     scale[b] = amax / 127.f;
     const int32_t* s = sum16 + b * 16;
     for (int64_t p = 0; p < 4; ++p) pair32[b * 4 + p] = word_pair(s[4 * p] + s[4 * p + 1], s[4 * p + 2] + s[4 * p + 3]);
-    for (int64_t p = 0; p < 8; ++p) pair16[b * 8 + p] = word_pair(s[2 * p], s[2 * p + 1]);
+    for (int64_t i = 0; i < 16; ++i) q6_start[b * 16 + i] = -32 * s[i];
   }
 }
 
@@ -122,7 +125,7 @@ void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a, boo
     for (int64_t r = begin; r < end; ++r)
       quantize_row_superblocks(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * (k / kSuperBlock),
                                a.sum16.data() + r * (k / 16), a.pair32.data() + r * (k / 64),
-                               a.pair16.data() + r * (k / 32));
+                               a.q6_start.data() + r * (k / 16));
   });
   if (regroup && rows > 1) {  // one-row loops read q
     const int64_t chunks = (rows + SuperBlockActivations::kChunkRows - 1) / SuperBlockActivations::kChunkRows;
@@ -219,8 +222,9 @@ inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0
   }
 }
 
-inline __m512i dot_chain(const __m512i w[4], const int8_t* xq) {
-  __m512i s = dot_broadcast4(_mm512_setzero_si512(), w[0], xq);
+// start + the dots of w[0..3] with inputs xq[0..15].
+inline __m512i dot_chain(const __m512i w[4], const int8_t* xq, __m512i start = _mm512_setzero_si512()) {
+  __m512i s = dot_broadcast4(start, w[0], xq);
   s = dot_broadcast4(s, w[1], xq + 4);
   s = dot_broadcast4(s, w[2], xq + 8);
   return dot_broadcast4(s, w[3], xq + 12);
@@ -242,12 +246,14 @@ CHATAPP_INLINE inline __m512i q4k_group_one_row(const uint8_t* blk, int64_t g, c
   return _mm512_mullo_epi32(_mm512_add_epi32(low, _mm512_srai_epi32(high, 4)), sc);
 }
 
-// One group's share of a row's integer sum: sc * dot (Q4_K, Q5_K), or each sub-block's sc * dot (Q6_K;
-// its - 32 * sum(x) term comes once per super-block, in finish_block).
+// One group's share of a row's integer sum: sc * dot (Q4_K, Q5_K), or each sub-block's sc * (dot - 32 * sum(x))
+// (Q6_K: q6: the group's two q6_start values, where its sub-blocks' chains start).
 template <int64_t kKind>
-CHATAPP_INLINE inline __m512i group_sum(const __m512i w[8], __m512i sc0, __m512i sc1, const int8_t* xq) {
+CHATAPP_INLINE inline __m512i group_sum(const __m512i w[8], __m512i sc0, __m512i sc1, const int8_t* xq,
+                                        const int32_t* q6 = nullptr) {
   if constexpr (kKind == kKindQ6K)
-    return _mm512_add_epi32(_mm512_mullo_epi32(dot_chain(w, xq), sc0), _mm512_mullo_epi32(dot_chain(w + 4, xq + 16), sc1));
+    return _mm512_add_epi32(_mm512_mullo_epi32(dot_chain(w, xq, _mm512_set1_epi32(q6[0])), sc0),
+                            _mm512_mullo_epi32(dot_chain(w + 4, xq + 16, _mm512_set1_epi32(q6[1])), sc1));
   else
     return _mm512_mullo_epi32(_mm512_add_epi32(dot_chain(w, xq), dot_chain(w + 4, xq + 16)), sc0);
 }
@@ -258,10 +264,10 @@ CHATAPP_INLINE inline __m512i group_sum(const __m512i w[8], __m512i sc0, __m512i
 // ~1/12 of a row's work. Q6_K (two scales a group) keeps group_sum's two chains.
 template <int64_t kKind>
 CHATAPP_INLINE inline void group_sum2(const __m512i w[8], __m512i sc0, __m512i sc1, const int8_t* x0, const int8_t* x1,
-                                      __m512i& part0, __m512i& part1) {
+                                      const int32_t* q6_0, const int32_t* q6_1, __m512i& part0, __m512i& part1) {
   if constexpr (kKind == kKindQ6K) {
-    part0 = group_sum<kKind>(w, sc0, sc1, x0);
-    part1 = group_sum<kKind>(w, sc0, sc1, x1);
+    part0 = group_sum<kKind>(w, sc0, sc1, x0, q6_0);
+    part1 = group_sum<kKind>(w, sc0, sc1, x1, q6_1);
   } else {
     __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -274,39 +280,32 @@ CHATAPP_INLINE inline void group_sum2(const __m512i w[8], __m512i sc0, __m512i s
 }
 
 // The per-super-block factors that multiply SuperBlockActivations' pair sums in word dots (vpdpwssd), lane c
-// holding channel c's two int16s: the minimums of groups 2p and 2p+1 (Q4_K, Q5_K: 4 pairs), or the scales
-// of sub-blocks 2p and 2p+1 (Q6_K: 8 pairs).
-template <int64_t kKind>
-constexpr int kPairs = kKind == kKindQ6K ? 8 : 4;
+// holding channel c's two int16s: the minimums of groups 2p and 2p+1 (Q4_K, Q5_K; Q6_K has none, its
+// codes' offset is taken off where each sub-block's chain starts, q6_start).
+constexpr int kPairs = 4;
 
 template <int64_t kKind>
-CHATAPP_INLINE inline void load_pairs(const uint8_t* blk, __m512i pairs[kPairs<kKind>]) {
+CHATAPP_INLINE inline void load_pairs(const uint8_t* blk, __m512i pairs[kPairs]) {
   constexpr KindLayout L = layout_of(kKind);
-  for (int p = 0; p < kPairs<kKind>; ++p) {
-    const uint8_t* at = blk + (kKind == kKindQ6K ? L.sc_offset : L.m_offset) + 32 * p;
-    const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
-    const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16));
-    if constexpr (kKind == kKindQ6K)  // signed scales: the low word keeps only its own 16 bits
-      pairs[p] = _mm512_or_si512(_mm512_and_si512(_mm512_cvtepi8_epi32(even), _mm512_set1_epi32(0xFFFF)),
-                                 _mm512_slli_epi32(_mm512_cvtepi8_epi32(odd), 16));
-    else
+  if constexpr (kKind != kKindQ6K)
+    for (int p = 0; p < kPairs; ++p) {
+      const uint8_t* at = blk + L.m_offset + 32 * p;
+      const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+      const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16));
       pairs[p] = _mm512_or_si512(_mm512_cvtepu8_epi32(even), _mm512_slli_epi32(_mm512_cvtepu8_epi32(odd), 16));
-  }
+    }
 }
 
 // A row's super-block b, from its integer sum over the 8 groups into its float sum f, in the portable loop's
-// float steps: Q4_K / Q5_K take off the minimums (sum_g m_g * xsum_g, 4 word dots), Q6_K its codes' offset
-// (32 * sum_s sc_s * xsum_s, 8 word dots), both exact in int32.
+// float steps: Q4_K / Q5_K take off the minimums (sum_g m_g * xsum_g, 4 word dots, exact in int32).
 template <int64_t kKind>
-CHATAPP_INLINE inline __m512 finish_block(__m512i isum, const __m512i pairs[kPairs<kKind>],
-                                          const SuperBlockActivations& a, int64_t k, int64_t row, int64_t b, __m512 d,
-                                          __m512 dmin, __m512 f) {
-  const int32_t* x = kKind == kKindQ6K ? a.pair16.data() + row * (k / 32) + 8 * b : a.pair32.data() + row * (k / 64) + 4 * b;
-  __m512i word_dot = _mm512_setzero_si512();
-  for (int p = 0; p < kPairs<kKind>; ++p) word_dot = _mm512_dpwssd_epi32(word_dot, pairs[p], _mm512_set1_epi32(x[p]));
+CHATAPP_INLINE inline __m512 finish_block(__m512i isum, const __m512i pairs[kPairs], const SuperBlockActivations& a,
+                                          int64_t k, int64_t row, int64_t b, __m512 d, __m512 dmin, __m512 f) {
   const __m512 dx = _mm512_set1_ps(a.scale[row * (k / kSuperBlock) + b]);
-  if constexpr (kKind == kKindQ6K)
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, _mm512_slli_epi32(word_dot, 5))), _mm512_mul_ps(d, dx), f);
+  if constexpr (kKind == kKindQ6K) return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f);
+  const int32_t* x = a.pair32.data() + row * (k / 64) + 4 * b;
+  __m512i word_dot = _mm512_setzero_si512();
+  for (int p = 0; p < kPairs; ++p) word_dot = _mm512_dpwssd_epi32(word_dot, pairs[p], _mm512_set1_epi32(x[p]));
   f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f);
   return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(word_dot), _mm512_mul_ps(dmin, dx), f);
 }
@@ -334,32 +333,18 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
     __m512 f = _mm512_setzero_ps();
     for_each_block<L.tile_bytes>(tile, blocks, kAhead, true, [&](const uint8_t* blk, int64_t b) CHATAPP_INLINE {
       const int8_t* xq = a.q.data() + row * k + b * kSuperBlock;
+      const int32_t* q6 = a.q6_start.data() + row * (k / 16) + b * 16;
       __m512i isum = _mm512_setzero_si512();
-      if constexpr (kKind == kKindQ6K) {
-        // For one row the offset costs less per sub-block (a subtraction) than through the 8 scale pairs.
-        const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16;
-        for (int64_t g = 0; g < 8; ++g) {
-          __m512i w[8], sc0, sc1;
-          load_group<kKind>(blk, g, w, sc0, sc1);
-          const __m512i s0 = _mm512_sub_epi32(dot_chain(w, xq + 32 * g), _mm512_set1_epi32(32 * xs[2 * g]));
-          const __m512i s1 = _mm512_sub_epi32(dot_chain(w + 4, xq + 32 * g + 16), _mm512_set1_epi32(32 * xs[2 * g + 1]));
-          isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(s0, sc0), _mm512_mullo_epi32(s1, sc1)));
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
-        const __m512 dx = _mm512_set1_ps(a.scale[row * blocks + b]);
-        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f);
-        return;
-      }
       for (int64_t g = 0; g < 8; ++g) {
         if constexpr (kKind == kKindQ4K) {
           isum = _mm512_add_epi32(isum, q4k_group_one_row(blk, g, xq + 32 * g));
         } else {
           __m512i w[8], sc0, sc1;
           load_group<kKind>(blk, g, w, sc0, sc1);
-          isum = _mm512_add_epi32(isum, group_sum<kKind>(w, sc0, sc1, xq + 32 * g));
+          isum = _mm512_add_epi32(isum, group_sum<kKind>(w, sc0, sc1, xq + 32 * g, q6 + 2 * g));
         }
       }
-      __m512i pairs[kPairs<kKind>];
+      __m512i pairs[kPairs];
       load_pairs<kKind>(blk, pairs);
       __m512 d, dmin;
       load_block_scales<kKind>(blk, d, dmin);
@@ -392,18 +377,19 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
         _mm512_store_si512(is, first ? part : _mm512_add_epi32(_mm512_load_si512(is), part));
       };
       const int8_t* xq = a.by_group.data() + a.grouped(m0, b * 8 + g, k);  // rows m0.. follow it, 32 bytes apart
+      auto q6 = [&](int64_t r) { return a.q6_start.data() + (m0 + r) * (k / 16) + b * 16 + 2 * g; };
       int64_t r = 0;
       for (; r + 1 < count; r += 2) {
         __m512i part0, part1;
-        group_sum2<kKind>(w, sc0, sc1, xq + 32 * r, xq + 32 * (r + 1), part0, part1);
+        group_sum2<kKind>(w, sc0, sc1, xq + 32 * r, xq + 32 * (r + 1), q6(r), q6(r + 1), part0, part1);
         add(r, part0);
         add(r + 1, part1);
       }
-      if (r < count) add(r, group_sum<kKind>(w, sc0, sc1, xq + 32 * r));
+      if (r < count) add(r, group_sum<kKind>(w, sc0, sc1, xq + 32 * r, q6(r)));
     };
     add_group(0, true);
     for (int64_t g = 1; g < 8; ++g) add_group(g, false);
-    __m512i pairs[kPairs<kKind>];
+    __m512i pairs[kPairs];
     load_pairs<kKind>(blk, pairs);
     __m512 d, dmin;
     load_block_scales<kKind>(blk, d, dmin);
