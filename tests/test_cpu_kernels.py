@@ -233,3 +233,22 @@ def test_without_a_compiler_it_says_so_in_one_line_and_the_torch_path_runs(monke
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "running on the slower torch path" in warnings[0] and "'c++'" in warnings[0]
     assert any("compiling chatapp's C++ CPU kernels" in r.getMessage() for r in caplog.records)  # said while trying
+
+
+def test_weights_below_two_to_the_minus_64_are_exactly_zero(ext) -> None:
+    """A key whose softmax weight is below 2^-64 adds nothing (subnormal weights and products would cost a
+    microcode assist per multiply-add); one above it still adds its share. A huge value at that key shows it."""
+    head_dim, block_size = 64, 16
+    meta = make_step(block_size, [3], [1], num_blocks=4)
+    caches = torch.zeros(4, block_size, 1, head_dim), torch.zeros(4, block_size, 1, head_dim)
+    block = int(meta.block_tables[0, 0])
+    q = torch.zeros(1, 1, head_dim)
+    q[0, 0, 0] = 1.0
+    for gap, dropped in ((57.5, True), (23.0, False)):  # weights e^-57.5 / 2 ~ 5e-26 and e^-23 / 2 ~ 5e-11
+        caches[0][block, :3, 0, 0] = torch.tensor([10.0, 10.0, 10.0 - gap])  # scores with scale 1
+        caches[1][block, :2, 0, 0] = 1.0
+        caches[1][block, 2, 0, 1] = 1e30
+        out = kernel(ext, q, caches[0], caches[1], meta, 1.0)[0, 0]
+        expected = 1e30 * torch.softmax(torch.tensor([0.0, 0.0, -gap], dtype=torch.float64), 0)[2]
+        assert out[0] == pytest.approx(1.0, rel=1e-6)
+        assert out[1] == (0.0 if dropped else pytest.approx(float(expected), rel=1e-5)), (gap, out[1])
