@@ -126,9 +126,10 @@ def batched_bench(binary: str, path: Path, test: list[str], flags: list[str]) ->
         check=True,
         timeout=1800,
     )
-    rows = [line for line in proc.stdout.splitlines() if re.match(r"\|\s+64\s+\|\s+128\s+\|\s+8\s+\|", line)]
+    output = proc.stdout + proc.stderr  # ik_llama.cpp prints its table to stderr
+    rows = [line for line in output.splitlines() if re.match(r"\|\s+64\s+\|\s+128\s+\|\s+8\s+\|", line)]
     if not rows:
-        raise RuntimeError(f"no result row in {binary}'s output:\n{proc.stdout[-2000:]}")
+        raise RuntimeError(f"no result row in {binary}'s output:\n{output[-2000:]}")
     return float([c.strip() for c in rows[-1].strip().strip("|").split("|")][7])
 
 
