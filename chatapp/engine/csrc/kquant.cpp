@@ -310,6 +310,23 @@ CHATAPP_INLINE inline __m512 finish_block(__m512i isum, const __m512i pairs[kPai
   return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(word_dot), _mm512_mul_ps(dmin, dx), f);
 }
 
+// Super-blocks fetched ahead into L2 (~19-27 KB): into L1 the misses in flight were too few to keep the memory
+// bus busy (measured: 17 GB/s into L1 at 4 ahead, 25 into L2 at 8, 2 threads).
+constexpr int64_t kAhead = 8;
+
+// Group g's eighth of the cache lines of the super-block kAhead blocks after blk, into L2. Each group fetches
+// its share rather than each super-block all its 37-53 lines at once: such a burst filled the core's miss
+// buffers and stalled it (perf put a quarter of the 8-way loop's samples on the prefetches), so reading
+// and computing ran one after the other. Spread, they overlap: alternated A/B over 390 MB of weights, one
+// row Q4_K +18% / Q6_K +15%, 8 rows +24% / +19%, 512 rows flat; same bits.
+template <int64_t kKind>
+CHATAPP_INLINE inline void prefetch_share(const uint8_t* blk, int64_t g) {
+  constexpr int64_t kLines = (layout_of(kKind).tile_bytes + 63) / 64, kPerGroup = (kLines + 7) / 8;
+  const uint8_t* next = blk + kAhead * layout_of(kKind).tile_bytes;
+  for (int64_t line = g * kPerGroup; line < std::min(kLines, (g + 1) * kPerGroup); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+}
+
 template <int64_t kKind>
 CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m512& dmin) {
   constexpr KindLayout L = layout_of(kKind);
@@ -319,23 +336,22 @@ CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m5
 }
 
 // One row (a decode step) against tiles [t0, t1): the super-block sums stay in registers, and the bytes
-// a few super-blocks ahead are prefetched (the tiles sit one after another in memory). The same integer
-// sums and the same float steps in the same order as the batched loop below: rows agree to the bit.
+// a few super-blocks ahead are prefetched, a share per group (the tiles sit one after another in memory).
+// The same integer sums and the same float steps in the same order as the batched loop below: rows agree
+// to the bit.
 template <int64_t kKind>
 void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, const uint8_t* packed, int64_t t0,
                         int64_t t1, float* y, int64_t n_out, const float* bias) {
   constexpr KindLayout L = layout_of(kKind);
-  // Super-blocks fetched ahead (~19-27 KB), into L2: into L1 the misses in flight were too few to keep
-  // the memory bus busy (measured: 17 GB/s into L1 at 4 ahead, 25 into L2 at 8, 2 threads).
-  constexpr int64_t kAhead = 8;
   const int64_t blocks = k / kSuperBlock;
   auto tile_row = [&](const uint8_t* tile, int64_t n0, const TileOut512& out) CHATAPP_INLINE {
     __m512 f = _mm512_setzero_ps();
-    for_each_block<L.tile_bytes>(tile, blocks, kAhead, true, [&](const uint8_t* blk, int64_t b) CHATAPP_INLINE {
+    for_each_block<L.tile_bytes>(tile, blocks, 0, false, [&](const uint8_t* blk, int64_t b) CHATAPP_INLINE {
       const int8_t* xq = a.q.data() + row * k + b * kSuperBlock;
       const int32_t* q6 = a.q6_start.data() + row * (k / 16) + b * 16;
       __m512i isum = _mm512_setzero_si512();
       for (int64_t g = 0; g < 8; ++g) {
+        prefetch_share<kKind>(blk, g);
         if constexpr (kKind == kKindQ4K) {
           isum = _mm512_add_epi32(isum, q4k_group_one_row(blk, g, xq + 32 * g));
         } else {
@@ -370,6 +386,7 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
     // The first group's sums start isum (no zeroing pass: GCC made it a memset call per super-block, 2% of
     // a prefill).
     auto add_group = [&](int64_t g, bool first) CHATAPP_INLINE {
+      if (m0 == 0) prefetch_share<kKind>(blk, g);  // the first rows' pass brings the tile in
       __m512i w[8], sc0, sc1;
       load_group<kKind>(blk, g, w, sc0, sc1);
       auto add = [&](int64_t r, __m512i part) CHATAPP_INLINE {
@@ -399,8 +416,8 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
                                                dmin, _mm512_load_ps(out)));
     }
   };
-  // Only the first rows' pass prefetches (2 super-blocks ahead): it brings the tile in; later passes find it in L2.
-  walk_tiles<TileOut512, kRows, L.tile_bytes, true>(packed, blocks, t0, t1, rows, 2, acc, y, n_out, bias, block);
+  // Only the first rows' pass prefetches (block does, a share per group): later passes find the tile in L2.
+  walk_tiles<TileOut512, kRows, L.tile_bytes, true>(packed, blocks, t0, t1, rows, 0, acc, y, n_out, bias, block);
 }
 #endif
 
@@ -454,7 +471,7 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
   constexpr KindLayout L = layout_of(kKind);
   constexpr int64_t kRows = 32;
   const int64_t blocks = k / kSuperBlock;
-  const int64_t ahead = rows == 1 ? 8 : 2;  // super-blocks prefetched into L2 (tiles_one_row_vnni says why)
+  const int64_t ahead = rows == 1 ? 8 : 2;  // super-blocks prefetched into L2 (the VNNI loops' kAhead says why)
   alignas(32) float acc[kRows * kQuantTile];
   alignas(32) int32_t isum[kRows * kQuantTile];
   alignas(32) int32_t imin[kRows * kQuantTile];

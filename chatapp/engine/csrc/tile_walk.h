@@ -45,14 +45,14 @@ inline void on_path(KernelPath path, Run&& run) {
   run(PortableLoop{});
 }
 
-// fn(blk, b) for blocks [0, blocks) of one tile, kBlockBytes each. Where fetch holds, each block first
-// prefetches the one `ahead` blocks on into L2: tiles follow one another in memory, so DRAM latency hides
-// behind the dots (a tile's last blocks fetch the next tile's first ones).
+// fn(blk, b) for blocks [0, blocks) of one tile, kBlockBytes each. Where fetch holds (and ahead > 0: 0 leaves
+// fetching to fn), each block first prefetches the one `ahead` blocks on into L2: tiles follow one another
+// in memory, so DRAM latency hides behind the dots (a tile's last blocks fetch the next tile's first ones).
 template <int64_t kBlockBytes, class Fn>
 CHATAPP_INLINE inline void for_each_block(const uint8_t* tile, int64_t blocks, int64_t ahead, bool fetch, Fn&& fn) {
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * kBlockBytes;
-    if (fetch)
+    if (fetch && ahead > 0)
       for (int64_t off = 0; off < kBlockBytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * kBlockBytes + off), _MM_HINT_T1);
     fn(blk, b);
