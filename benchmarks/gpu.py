@@ -11,7 +11,13 @@ For the bundled SmolLM2 (its GGUF de-quantised to bfloat16) and a random ~1B Lla
   step must read every weight once, so the roofline is copy bandwidth / weight bytes, with the
   bandwidth measured on this GPU in the same run (goal: >= 50%).
 
-    python benchmarks/gpu.py [--models bundled,1b] [--json out.json]
+Our engine runs three ways: as it is by default (CUDA graphs and overlapped steps), without
+overlapped steps (graphs only; its 64-way tokens must equal the default's), and eager (neither).
+
+    python benchmarks/gpu.py [--models bundled,1b] [--json out.json] [--tokenizer DIR]
+
+``--tokenizer`` takes the bundled model's tokenizer files from DIR (for the ~1B model) on a machine
+where the bundled model is not installed.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -69,7 +76,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times)
 
 
-def make_1b_model(path: Path) -> Path:
+def make_1b_model(path: Path, tokenizer_dir: Path | None = None) -> Path:
     """A random Llama of Llama-3.2-1B's shape (16 layers, 2048 wide, GQA 32:8) with the bundled tokenizer."""
     import transformers
 
@@ -96,7 +103,8 @@ def make_1b_model(path: Path) -> Path:
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     del model
-    shutil.copytree(prepare_tokenizer_files(bundled_gguf_path()), path, dirs_exist_ok=True)
+    tokenizer_files = tokenizer_dir or prepare_tokenizer_files(bundled_gguf_path())
+    shutil.copytree(tokenizer_files, path, dirs_exist_ok=True)
     return path
 
 
@@ -123,9 +131,9 @@ def hf_figures(path: str, prompt: list[int], long_prompt: list[int]) -> dict[str
 
 
 def our_figures(
-    model: str | None, tokenizer_prompts: Callable[[int, int], list[int]], graphs: bool
-) -> dict[str, float]:
-    llm = LLM(model, dtype="bfloat16", kv_cache_memory_gib=16, cuda_graphs=graphs)
+    model: str | None, tokenizer_prompts: Callable[[int, int], list[int]], graphs: bool, overlap: bool = True
+) -> dict[str, Any]:
+    llm = LLM(model, dtype="bfloat16", kv_cache_memory_gib=16, cuda_graphs=graphs, overlap_steps=overlap)
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     first = SamplingParams(temperature=0, max_tokens=1)
     prompt = tokenizer_prompts(32, 0)
@@ -134,12 +142,14 @@ def our_figures(
     for _ in range(REPEATS):
         total = seconds(lambda: llm.generate([prompt], greedy))
         rates.append((NEW_TOKENS - 1) / (total - seconds(lambda: llm.generate([prompt], first))))
-    out: dict[str, float] = {"decode_tok_s": statistics.median(rates)}
+    out: dict[str, Any] = {"decode_tok_s": statistics.median(rates)}
     if graphs:
         wide = [tokenizer_prompts(32, 100 + i) for i in range(WIDE)]
         llm.generate(wide[:8], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         wide_runs = [seconds(lambda: llm.generate(wide, greedy)) for _ in range(REPEATS)]
         out["wide_tok_s"] = WIDE * NEW_TOKENS / statistics.median(wide_runs)
+        out["wide_tokens"] = [o.outputs[0].token_ids for o in llm.generate(wide, greedy)]
+    if graphs and overlap:
         prefill = []
         for i in range(REPEATS):  # a new prompt each time: nothing comes from the prefix cache
             long_prompt = [tokenizer_prompts(PREFILL_TOKENS, 1000 + i)]
@@ -165,13 +175,20 @@ def bench(name: str, engine_model: str | None, hf_path: str) -> dict[str, float]
 
     ours = our_figures(engine_model, prompts, graphs=True)
     release()
-    eager = our_figures(engine_model, prompts, graphs=False)
+    stepwise = our_figures(engine_model, prompts, graphs=True, overlap=False)
     release()
+    eager = our_figures(engine_model, prompts, graphs=False, overlap=False)
+    release()
+    same = ours["wide_tokens"] == stepwise["wide_tokens"]
+    print(f"[{name}] 64-way greedy tokens, overlapped vs step by step: {'the same' if same else 'DIFFERENT'}")
     hf = hf_figures(hf_path, prompts(32, 0), prompts(PREFILL_TOKENS, 999))
     release()
     result = {
         "ours_decode_tok_s": ours["decode_tok_s"],
+        "ours_stepwise_decode_tok_s": stepwise["decode_tok_s"],
         "ours_eager_decode_tok_s": eager["decode_tok_s"],
+        "ours_stepwise_64way_tok_s": stepwise["wide_tok_s"],
+        "overlap_tokens_same": float(same),
         "hf_decode_tok_s": hf["decode_tok_s"],
         "decode_x_hf": ours["decode_tok_s"] / hf["decode_tok_s"],
         "ours_64way_tok_s": ours["wide_tok_s"],
@@ -189,6 +206,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="bundled,1b")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--tokenizer", type=Path, help="the bundled model's tokenizer files, for the ~1B model")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gpu.py needs a CUDA GPU")
@@ -202,7 +220,7 @@ def main() -> None:
 
                 results[name] = bench(name, None, str(bundled_hf_dir()))
             elif name == "1b":
-                path = str(make_1b_model(Path(tmp) / "llama-1b"))
+                path = str(make_1b_model(Path(tmp) / "llama-1b", args.tokenizer))
                 figures = bench(name, path, path)
                 roofline = bandwidth / (figures["weight_gb"] * 1e9)
                 figures["roofline_tok_s"] = roofline

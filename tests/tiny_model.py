@@ -70,13 +70,20 @@ def make_tiny_model(
 
 
 def save_bundled_tokenizer(path: Path) -> None:
-    """The bundled model's tokenizer files (tokenizer.json, chat template, ...) into ``path``."""
+    """The bundled model's tokenizer files (tokenizer.json, chat template, ...) into ``path``.
+
+    Where the bundled model is not installed (a lent GPU machine, which takes only a small working
+    tree), CHATAPP_TEST_TOKENIZER_DIR names a copy of those files.
+    """
+    import os
     import shutil
 
     from chatapp.engine.tokenizer import prepare_tokenizer_files
     from chatapp.store import bundled_gguf_path
 
-    shutil.copytree(prepare_tokenizer_files(bundled_gguf_path()), path, dirs_exist_ok=True)
+    copy = os.environ.get("CHATAPP_TEST_TOKENIZER_DIR")
+    source = Path(copy) if copy else prepare_tokenizer_files(bundled_gguf_path())
+    shutil.copytree(source, path, dirs_exist_ok=True)
 
 
 def write_llama_checkpoint(

@@ -70,6 +70,11 @@ class EngineConfig:
     cuda_graphs: bool = True
     """On a GPU, replay decode steps from CUDA graphs captured at start (cuda_graphs.py); False runs
     every step eagerly (vLLM's enforce_eager), for debugging."""
+    overlap_steps: bool | None = None
+    """Launch the next decode step before reading back the current one's tokens, so the host's
+    per-step work (scheduling, inputs, outputs) runs while the device computes (core.py says how).
+    None: on a GPU, where the device would otherwise wait for the host; the CPU computes in the
+    host's own thread, so there is nothing to hide. True turns it on anywhere (tests do on the CPU)."""
     cpu_kernels: bool = True
     """On the CPU in float32, run the model through our C++ layer loop (built on first use)."""
     quantization: str | None = "auto"
@@ -157,6 +162,7 @@ class EngineConfig:
             attention_backend=backend,
             cpu_kernels=self.cpu_kernels,
             cuda_graphs=self.cuda_graphs and on_gpu,
+            overlap_steps=on_gpu if self.overlap_steps is None else self.overlap_steps,
             quantization=quantization,
             stream_interval_ms=self.stream_interval_ms,
             num_threads=self.num_threads or psutil.cpu_count(logical=False) or os.cpu_count() or 1,
@@ -194,6 +200,7 @@ class ResolvedConfig:
     """torch or triton."""
     cpu_kernels: bool
     cuda_graphs: bool
+    overlap_steps: bool
     quantization: str | None
     """auto (the runner decides on the CPU), gguf, int4, int8 or None; after loading, what was applied."""
     stream_interval_ms: float

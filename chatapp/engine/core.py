@@ -3,6 +3,14 @@
 Text never enters the core: prompts arrive tokenized and outputs leave as
 token ids (clients detokenize), so the core's loop does only engine work. The
 background engine process drives this same object.
+
+Overlapped steps (``overlap_steps``, on by default on a GPU): a decode step whose requests sample
+without their token history is launched before the previous step's tokens are read back. Its
+inputs take those tokens on the device, and each request holds a place for its unread token, so
+the scheduler can already plan the step after. One step's host work (scheduling, inputs, applying
+the previous step's tokens, stops and outputs) then runs while the device computes, instead of the
+device waiting for it. The cost: a request that stopped (end of text) is computed one step too
+many, and that row is dropped. Any other step first reads back the step in flight.
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ from chatapp.engine.config import EngineConfig, ResolvedConfig
 from chatapp.engine.guided import GrammarWorker, GuidedDecodingError
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_ref import ModelRef, resolve_model_spec
-from chatapp.engine.model_runner import ModelRunner
+from chatapp.engine.model_runner import LaunchedStep, ModelRunner
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.source import open_model
 from chatapp.engine.outputs import EngineCoreOutput, FinishReason
 from chatapp.engine.request import Request, RequestStatus
+from chatapp.engine.sampler import samples_without_history
 from chatapp.engine.sampling_params import SamplingParams
 from chatapp.engine.scheduler import ScheduledBatch, Scheduler
 
@@ -52,6 +61,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv)
         self._pending: list[EngineCoreOutput] = []
+        self._in_flight: LaunchedStep | None = None  # an overlapped step whose tokens are still unread
         self._grammars = GrammarWorker(self.model.path, mc.vocab_size, mc.eos_token_ids)
         self._compiling: dict[str, tuple[Request, futures.Future[Any]]] = {}
         self.prompt_tokens_total = 0
@@ -140,7 +150,7 @@ class EngineCore:
             )
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.num_unfinished or self._pending or self._compiling)
+        return bool(self.scheduler.num_unfinished or self._pending or self._compiling or self._in_flight)
 
     def _admit_compiled(self) -> None:
         """Requests whose grammar compiled join the scheduler (in arrival order); a bad one fails."""
@@ -170,22 +180,63 @@ class EngineCore:
             self._admit_compiled()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
+        if batch and self._can_overlap(batch):
+            return outputs + self._overlapped_step(batch, step_start)
+        if self._in_flight is not None:
+            outputs += self._read_in_flight()
+            batch = batch.unfinished()  # a request it stopped was scheduled already
         if not batch:
             if self._compiling:  # nothing to run until a grammar compiles: wait for one, briefly
                 futures.wait([f for _r, f in self._compiling.values()], 0.005, futures.FIRST_COMPLETED)
             return outputs
-        result = self.runner.execute(batch, {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests})
+        result = self.runner.execute(batch, self._block_ids(batch))
         update = self.scheduler.update_from_output(
             batch, result.sampled_requests, result.sampled.token_ids, result.sampled.logprobs, result.prompt_logprobs
         )
         outputs += update.outputs
         self.prompt_tokens_total += update.num_prompt_tokens
         self.generation_tokens_total += len(result.sampled_requests)
-        step_seconds = time.perf_counter() - step_start
-        self.forward_seconds_total += result.forward_seconds
-        self.step_seconds_total += step_seconds
-        self._recent.append((time.monotonic(), len(result.sampled_requests), step_seconds))
+        self._count_step(step_start, result.forward_seconds, len(result.sampled_requests))
         return outputs
+
+    def _block_ids(self, batch: ScheduledBatch) -> dict[str, list[int]]:
+        return {r.request_id: self.kv.block_ids(r.request_id) for r in batch.requests}
+
+    def _can_overlap(self, batch: ScheduledBatch) -> bool:
+        """A decode-only step whose every request samples without its token history (the host's
+        copy of a request's tokens lacks the one in flight)."""
+        return (
+            self.config.overlap_steps
+            and all(n == 1 for n in batch.num_new_tokens)
+            and len(batch.requests_to_sample()) == len(batch)
+            and all(samples_without_history(r) for r in batch.requests)
+        )
+
+    def _overlapped_step(self, batch: ScheduledBatch, step_start: float) -> list[EngineCoreOutput]:
+        """Launch this step, then apply the one in flight while the device computes this one."""
+        launched = self.runner.launch_decode(batch, self._block_ids(batch), self._in_flight)
+        outputs = self._read_in_flight() if self._in_flight is not None else []
+        self.scheduler.apply_computed(batch)  # leaves alone the requests the read-back just stopped
+        for req in launched.requests:
+            if not req.status.finished:
+                req.append_pending_token()
+        self._in_flight = launched
+        self._count_step(step_start, launched.forward_seconds, len(batch))
+        return outputs
+
+    def _read_in_flight(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight and apply its tokens (requests aborted meanwhile drop theirs)."""
+        launched, self._in_flight = self._in_flight, None
+        assert launched is not None
+        outputs = self.scheduler.apply_sampled(launched.requests, launched.token_ids())
+        self.generation_tokens_total += len(outputs)
+        return outputs
+
+    def _count_step(self, step_start: float, forward_seconds: float, tokens: int) -> None:
+        step_seconds = time.perf_counter() - step_start
+        self.forward_seconds_total += forward_seconds
+        self.step_seconds_total += step_seconds
+        self._recent.append((time.monotonic(), tokens, step_seconds))
 
     # -- embeddings -----------------------------------------------------------
 

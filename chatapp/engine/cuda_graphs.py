@@ -13,7 +13,12 @@ Shapes are fixed in a graph, so a graph is captured for each of a few batch size
 (:data:`CAPTURE_SIZES` up to the engine's ``max_num_seqs``). A step of ``b`` requests replays the
 smallest captured size ``n >= b``; rows ``b..n`` are padding: they store nothing (slot -1), attend
 to one cached key (any finite value) and their outputs are dropped. Every tensor a graph reads
-lives in :class:`GraphInputs`, filled before each replay from one pinned host buffer.
+lives in :class:`GraphInputs`, filled before each replay from pinned host buffers.
+
+Overlapped steps (core.py): a step may be filled while the one before it still runs, with some of
+its token ids not yet known on the host. Those rows name the previous step's row instead, and the
+fill takes the token from that step's device output; the host buffers alternate between two sets, so
+filling a step never overwrites what the previous step's copies have still to read.
 """
 
 from __future__ import annotations
@@ -56,26 +61,32 @@ class DecodeLayout:
     slots: np.ndarray  # [b] int64
     seq_lens: np.ndarray  # [b] int32
     block_tables: np.ndarray  # [b, w] int32
+    # [b] int64: the row of the previous step's sampled tokens that is this row's token id (whose
+    # place token_ids only holds), or -1; None when every token id is known
+    previous_rows: np.ndarray | None = None
 
 
 class GraphInputs:
     """The fixed device tensors every captured graph reads, and their pinned host staging copy.
 
-    One int64 and one int32 copy per step move everything: ids, positions and slots side by side;
-    seq lens and the block tables' used columns side by side.
+    One int64 and one int32 copy per step move everything: ids, positions, slots and previous rows
+    side by side; seq lens and the block tables' used columns side by side. The host side is two
+    sets of buffers used in turn (see the module's docstring).
     """
 
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
         self.max_batch, self.max_blocks = max_batch, max_blocks
-        self.longs = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # ids, positions, slots
+        # ids, positions, slots (what the graphs read) and previous rows (what fill reads)
+        self.longs = torch.zeros(4, max_batch, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.tile_req = torch.arange(max_batch, dtype=torch.int32, device=device)
         self.tile_q0 = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.longs[2].fill_(-1)  # no slot: the warm-up and capture runs write nothing to the cache
-        self._host_longs = torch.zeros(3, max_batch, dtype=torch.long).pin_memory()
-        self._host_ints = torch.zeros(max_batch * (max_blocks + 1), dtype=torch.int32).pin_memory()
+        self._host_longs = [torch.zeros(4, max_batch, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._host_ints = [torch.zeros(max_batch * (max_blocks + 1), dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._turn = 0
         self._staged_ints = torch.zeros(max_batch * (max_blocks + 1), dtype=torch.int32, device=device)
 
     def metadata(self, size: int) -> AttentionMetadata:
@@ -92,24 +103,40 @@ class GraphInputs:
             max_seq_len=1,
         )
 
-    def fill(self, layout: DecodeLayout, size: int) -> None:
-        """Copy a step into rows ``0..b``; rows ``b..size`` become padding."""
+    def fill(self, layout: DecodeLayout, size: int, previous_tokens: torch.Tensor | None = None) -> None:
+        """Copy a step into rows ``0..b``; rows ``b..size`` become padding. Rows with a previous row
+        take their token id from ``previous_tokens``, the previous step's sampled tokens on the device."""
         b, w = layout.block_tables.shape
-        longs = self._host_longs.numpy()
+        host_longs, host_ints = self._host_longs[self._turn], self._host_ints[self._turn]
+        self._turn ^= 1
+        longs = host_longs.numpy()
         longs[0, :b], longs[1, :b], longs[2, :b] = layout.token_ids, layout.positions, layout.slots
         longs[:2, b:size] = 0
         longs[2, b:size] = -1
-        ints = self._host_ints.numpy()
+        ints = host_ints.numpy()
         ints[:size] = 1  # padding rows see one key...
         ints[:b] = layout.seq_lens
         table = ints[size : size + size * w].reshape(size, w)
         table[:b] = layout.block_tables
         table[b:] = 0  # ...in block 0, whatever it holds (the pool starts zeroed; it is never NaN)
-        self.longs[:, :size].copy_(self._host_longs[:, :size], non_blocking=True)
+        taking = layout.previous_rows is not None and previous_tokens is not None
+        if taking:
+            longs[3, :b] = layout.previous_rows
+        rows = 4 if taking else 3
+        self.longs[:rows, :size].copy_(host_longs[:rows, :size], non_blocking=True)
         n = size + size * w
-        self._staged_ints[:n].copy_(self._host_ints[:n], non_blocking=True)
+        self._staged_ints[:n].copy_(host_ints[:n], non_blocking=True)
         self.seq_lens[:size].copy_(self._staged_ints[:size])
         self.block_tables[:size, :w].copy_(self._staged_ints[size:n].view(size, w))
+        if taking:
+            assert previous_tokens is not None
+            take_previous_tokens(self.longs[0, :b], self.longs[3, :b], previous_tokens)
+
+
+def take_previous_tokens(token_ids: torch.Tensor, previous_rows: torch.Tensor, previous_tokens: torch.Tensor) -> None:
+    """token_ids[i] = previous_tokens[previous_rows[i]] where that row is >= 0, on the device."""
+    taken = previous_tokens[previous_rows.clamp(min=0)]
+    token_ids.copy_(torch.where(previous_rows >= 0, taken, token_ids))
 
 
 class DecodeGraphs:
@@ -156,11 +183,11 @@ class DecodeGraphs:
     def fits(self, num_requests: int, num_blocks: int) -> bool:
         return num_requests <= self.max_batch and num_blocks <= self.inputs.max_blocks
 
-    def run(self, layout: DecodeLayout) -> torch.Tensor:
+    def run(self, layout: DecodeLayout, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [b, hidden] of a decode-only step (valid until the next replay)."""
         b = len(layout.token_ids)
         size = next(n for n in self.sizes if n >= b)
-        self.inputs.fill(layout, size)
+        self.inputs.fill(layout, size, previous_tokens)
         graph, out = self._graphs[size]
         graph.replay()
         self.replays += 1

@@ -9,6 +9,7 @@ so the LM head runs on those rows alone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import time
@@ -22,7 +23,7 @@ import torch
 from chatapp.engine.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, layer_attention
 from chatapp.engine.config import ResolvedConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
-from chatapp.engine.cuda_graphs import DecodeGraphs, DecodeLayout, GraphInputs, capture_sizes
+from chatapp.engine.cuda_graphs import DecodeGraphs, DecodeLayout, GraphInputs, capture_sizes, take_previous_tokens
 from chatapp.engine.memory import return_freed_memory
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.llama import LlamaForCausalLM
@@ -105,6 +106,34 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
+class LaunchedStep:
+    """A decode step sent to the device whose sampled tokens the host has not read yet.
+
+    Its tokens stay on the device for the next step to take as inputs; a copy to the host is queued
+    behind them, and :meth:`token_ids` waits for that copy alone.
+    """
+
+    def __init__(
+        self, requests: list[Request], tokens: torch.Tensor, host_tokens: torch.Tensor, forward_seconds: float
+    ) -> None:
+        self.requests = requests
+        self.tokens = tokens  # [b] on the device
+        self.row_of = {r.request_id: i for i, r in enumerate(requests)}
+        self.forward_seconds = forward_seconds  # the host's time to launch it (the device's is hidden)
+        self._host_tokens = host_tokens
+        self._ready: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._ready.record()
+
+    def token_ids(self) -> list[int]:
+        """The sampled tokens, in request order (waits for the device to have finished the step)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens: list[int] = self._host_tokens.tolist()
+        return tokens
+
+
 class ModelRunner:
     def __init__(self, config: ResolvedConfig, source: ModelSource) -> None:
         self.config = config  # resolved and frozen; what this runner decides is on the runner itself
@@ -132,6 +161,8 @@ class ModelRunner:
         if self.device.type != "cpu":
             self.num_blocks = self._choose_num_blocks()
         self.sampler = Sampler()
+        self._read_back_buffers: list[torch.Tensor] = []  # pinned, for LaunchedStep (two, used in turn)
+        self.launched_steps = 0  # decode steps run overlapped (tests check that they were)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
         self.cpu_forward = self._build_cpu_forward(ext)
         self.attn: AttentionBackend | None = None if self.cpu_forward is not None else self._make_attention_backend()
@@ -376,6 +407,55 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.logits_indices])
         forward_seconds = time.perf_counter() - start
         return StepResult(sampled_reqs, self.sampler(logits, sampled_reqs), forward_seconds, prompt_logprobs)
+
+    @torch.inference_mode()
+    def launch_decode(
+        self, batch: ScheduledBatch, block_ids: dict[str, list[int]], previous: LaunchedStep | None
+    ) -> LaunchedStep:
+        """Launch a decode-only step and sample it on the device, without waiting for it.
+
+        Requests whose last token is pending (sampled by ``previous``, not yet read back) take it
+        from ``previous``'s device tokens. Every request must sample without its token history
+        (sampler.samples_without_history): their host token lists are not complete yet.
+        """
+        start = time.perf_counter()
+        reqs = batch.requests
+        previous_rows = np.fromiter(
+            (previous.row_of[r.request_id] if r.token_pending and previous else -1 for r in reqs),
+            np.int64,
+            len(reqs),
+        )
+        if any(r.token_pending for r in reqs) and previous is None:
+            raise RuntimeError("a pending token with no launched step to take it from")
+        previous_tokens = previous.tokens if previous is not None and (previous_rows >= 0).any() else None
+        layout = self._decode_layout(batch, block_ids) if self.decode_graphs is not None else None
+        if layout is not None:
+            assert self.decode_graphs is not None
+            graph_layout = dataclasses.replace(layout[1], previous_rows=previous_rows)
+            hidden = self.decode_graphs.run(graph_layout, previous_tokens)
+        else:
+            step = self._prepare(batch, block_ids)  # decodes only: its order is the batch's
+            if previous_tokens is not None:
+                rows = torch.from_numpy(previous_rows).to(self.device)
+                take_previous_tokens(step.input_ids, rows, previous_tokens)
+            hidden = self._forward(step)
+        tokens = self.sampler.device_tokens(self.model.compute_logits(hidden), reqs)
+        self.launched_steps += 1
+        return LaunchedStep(reqs, tokens, self._read_back(tokens), time.perf_counter() - start)
+
+    def _read_back(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A host tensor that will hold ``tokens``: on a GPU, a queued copy into pinned memory.
+
+        Two buffers in turn: a step's copy is queued before the host reads the previous step's.
+        """
+        if not tokens.is_cuda:
+            return tokens
+        if not self._read_back_buffers:
+            size = self.config.max_num_seqs
+            self._read_back_buffers = [torch.empty(size, dtype=torch.long).pin_memory() for _ in range(2)]
+        buffer = self._read_back_buffers[self.launched_steps % 2][: tokens.shape[0]]
+        buffer.copy_(tokens, non_blocking=True)
+        return buffer
 
     def _decode_layout(
         self, batch: ScheduledBatch, block_ids: dict[str, list[int]]

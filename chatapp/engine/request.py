@@ -38,6 +38,10 @@ class RequestStatus(enum.Enum):
         return FinishReason(self.value)
 
 
+PENDING_TOKEN = -1
+"""The place-holder of a sampled token still on the device (see Request.append_pending_token)."""
+
+
 def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     """Hash of a full block, chained over its parent so equal hashes mean equal prefixes."""
     digest = hashlib.blake2b(parent_hash or b"root", digest_size=16)
@@ -63,6 +67,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Overlapped steps (EngineCore): the last token was sampled by a step still running on the
+        # device; all_token_ids holds PENDING_TOKEN in its place until the engine reads it back.
+        self.token_pending = False
         self.num_cached_tokens = 0  # prefix-cache hit at first admission, for usage stats
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic()
@@ -114,6 +121,28 @@ class Request:
             self.error = f"token {token_id} broke the output's grammar: {self.matcher.get_error()}"
         if len(self.all_token_ids) % self._block_size == 0:
             self._update_block_hashes()
+
+    def append_pending_token(self) -> None:
+        """Hold the place of a token the device has sampled but the host has not read yet.
+
+        The count is what the scheduler needs to plan the next step; the value stays out of block
+        hashes (they are made when the token is set) and is read by nothing else: only steps whose
+        sampling needs no token history run ahead like this (EngineCore._can_overlap).
+        """
+        self.all_token_ids.append(PENDING_TOKEN)
+        self.token_pending = True
+
+    def set_pending_token(self, token_id: int) -> None:
+        """Put the token read back from the device in its held place (the last one)."""
+        assert self.token_pending and self.all_token_ids[-1] == PENDING_TOKEN
+        self.all_token_ids.pop()
+        self.token_pending = False
+        self.append_token(token_id)
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """Its pending token is its last by length: there is nothing more to schedule for it."""
+        return self.token_pending and self.num_output_tokens >= self.max_output_tokens
 
     def _update_block_hashes(self) -> None:
         bs = self._block_size

@@ -41,7 +41,24 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        token_list = self._choose(logits, requests).tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            logprobs = [
+                _token_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs) for i, r in enumerate(requests)
+            ]
+        return SamplerOutput(token_list, logprobs)
 
+    def device_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The same tokens as ``__call__``, left on the logits' device (nothing waits for them), for
+        requests that all pass :func:`samples_without_history`."""
+        assert all(samples_without_history(r) for r in requests)
+        if all(_plain_greedy(r) for r in requests):
+            return logits.argmax(dim=-1)
+        return self._choose(logits.float(), requests)
+
+    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's token from float32 ``logits`` (changed in place by bias, penalties and masks)."""
         for i, req in enumerate(requests):
             params = req.params
             if params.logit_bias:
@@ -57,18 +74,10 @@ class Sampler:
 
         greedy_tokens = logits.argmax(dim=-1)
         if all(r.params.greedy for r in requests):
-            tokens = greedy_tokens
-        else:
-            tokens = torch.where(
-                self._greedy_mask(requests, logits.device), greedy_tokens, self._sample_random(logits, requests)
-            )
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
-        if raw_logprobs is not None:
-            logprobs = [
-                _token_logprobs(raw_logprobs[i], token_list[i], r.params.logprobs) for i, r in enumerate(requests)
-            ]
-        return SamplerOutput(token_list, logprobs)
+            return greedy_tokens
+        return torch.where(
+            self._greedy_mask(requests, logits.device), greedy_tokens, self._sample_random(logits, requests)
+        )
 
     @staticmethod
     def _greedy_mask(requests: list[Request], device: torch.device) -> torch.Tensor:
@@ -157,6 +166,13 @@ def _mask_out(logits: torch.Tensor, allowed: np.ndarray) -> None:
     keep = flat[kept]
     flat.fill_(float("-inf"))
     flat[kept] = keep
+
+
+def samples_without_history(req: Request) -> bool:
+    """Its next token needs neither its earlier tokens nor a reply to the host (no penalties, grammar
+    or logprobs), so a step may sample it while the host has yet to read the token before it."""
+    p = req.params
+    return p.logprobs is None and not p.uses_penalties and req.matcher is None
 
 
 def _plain_greedy(req: Request) -> bool:

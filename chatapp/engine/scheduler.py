@@ -32,6 +32,11 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def unfinished(self) -> ScheduledBatch:
+        """This batch without the requests that finished since it was scheduled."""
+        keep = [i for i, r in enumerate(self.requests) if not r.status.finished]
+        return ScheduledBatch([self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep])
+
     def requests_to_sample(self) -> list[Request]:
         """Those whose new tokens reach the end of what they know: the model samples their next token.
 
@@ -95,6 +100,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.awaits_last_token:  # its last token is being sampled: nothing follows it
+                i += 1
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget, threshold)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running.pop()  # the most recently admitted
@@ -143,25 +151,52 @@ class Scheduler:
         logprobs: Sequence[TokenLogprobs | None] | None = None,
         prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
     ) -> StepUpdate:
-        """Apply an executed step to its requests: the one place a step changes them.
+        """Apply an executed step to its requests: what it computed, then what it sampled."""
+        num_prompt_tokens = self.apply_computed(batch, prompt_logprobs)
+        return StepUpdate(self.apply_sampled(sampled, token_ids, logprobs), num_prompt_tokens)
 
-        Each scheduled request has computed its new tokens (its newly full blocks become findable by
-        the prefix cache); each sampled request takes its token (``token_ids[i]`` for
-        ``sampled[i]``, in the order the model runner returns them) and is checked for a stop, and
-        the ones that stopped are finished (their blocks freed).
+    def apply_computed(
+        self,
+        batch: ScheduledBatch,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None,
+    ) -> int:
+        """Each scheduled request has computed its new tokens: advance it (its newly full blocks become
+        findable by the prefix cache). Returns how many of those tokens were prompt tokens.
+
+        Requests that finished meanwhile (an overlapped step read back a stop) are left alone.
         """
         num_prompt_tokens = 0
         for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.status.finished:
+                continue
             if prompt_logprobs and req.request_id in prompt_logprobs:
                 req.add_prompt_logprobs(*prompt_logprobs[req.request_id])
             if req.num_computed_tokens < req.num_prompt_tokens:
                 num_prompt_tokens += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)
+        return num_prompt_tokens
+
+    def apply_sampled(
+        self,
+        sampled: Sequence[Request],
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None] | None = None,
+    ) -> list[EngineCoreOutput]:
+        """Each sampled request takes its token (``token_ids[i]`` for ``sampled[i]``, in the order the
+        model runner returns them; in its held place if the step ran overlapped) and is checked for
+        a stop; the ones that stopped are finished (their blocks freed). The one place a request
+        gains a token. Requests that finished before their token was read back (aborted) drop it.
+        """
         outputs = []
         for i, req in enumerate(sampled):
+            if req.status.finished:
+                continue
             token = token_ids[i]
-            req.append_token(token)
+            if req.token_pending:
+                req.set_pending_token(token)
+            else:
+                req.append_token(token)
             status = req.check_stop(token)
             out = EngineCoreOutput(
                 req.request_id,
@@ -179,7 +214,7 @@ class Scheduler:
                 out.finish_reason = status.finish_reason
                 out.error = req.error if status is RequestStatus.FINISHED_ERROR else None
             outputs.append(out)
-        return StepUpdate(outputs, num_prompt_tokens)
+        return outputs
 
     def _preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it first in line to be recomputed."""
