@@ -438,3 +438,30 @@ def test_fused_add_rms_norm_returns_the_rounded_sum_and_its_norm(dtype: torch.dt
     atol, rtol = FUSED_TOLERANCE[dtype]
     expected = _torch_rms_norm(x + a, weight, 1e-6)
     torch.testing.assert_close(normed.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k", "block"), [(300, 1024, None), (37, 200, (8, 128, 4)), (64, 96, (2, 1024, 4))])
+def test_gemv_matches_a_float64_product(dtype: torch.dtype, n: int, k: int, block: tuple[int, int, int] | None) -> None:
+    # Rows that end mid-block (300, 37) and a K that ends mid-slice (200 with 128-wide slices, 96).
+    from chatapp.kernels.gemv import gemv
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    expected = x.double().cpu() @ weight.double().cpu().T
+
+    actual = gemv(x, weight, *(block or ()))
+
+    assert actual.shape == (1, n) and actual.dtype == dtype
+    # float32 sums; the one rounding is the output's: at most an ulp of bfloat16 (2^-7 relative; Triton's
+    # interpreter truncates where the GPU rounds to nearest)
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(actual.double().cpu(), expected, atol=1e-4 * k**0.5, rtol=rtol)
+
+
+def test_gemv_refuses_more_than_one_row() -> None:
+    from chatapp.kernels.gemv import gemv
+
+    with pytest.raises(ValueError, match="one row"):
+        gemv(torch.zeros(2, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))

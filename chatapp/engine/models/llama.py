@@ -25,7 +25,32 @@ Device = torch.device | str | None
 # On a GPU, RMSNorm, SwiGLU's gate and RoPE run as one Triton kernel each (chatapp/kernels/fused.py
 # says why). CHATAPP_GPU_FUSED=0 runs the torch formulas instead, to compare or to debug.
 FUSED_GPU_KERNELS = os.environ.get("CHATAPP_GPU_FUSED", "1") != "0"
+# On a GPU, a one-row projection in half precision (the decode step of a single chat) runs as our
+# GEMV kernel (chatapp/kernels/gemv.py says why); CHATAPP_GPU_GEMV=0 leaves it to cuBLAS.
+GEMV_KERNEL = os.environ.get("CHATAPP_GPU_GEMV", "1") != "0"
 Tables = tuple[torch.Tensor, torch.Tensor]  # a RoPE table's (cos, signed sin) for a step's positions
+
+
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``, through the GEMV kernel where that applies (see GEMV_KERNEL)."""
+    if (
+        GEMV_KERNEL
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and type(linear) is nn.Linear
+        and linear.bias is None
+        and x.is_contiguous()
+    ):
+        return linear_gemv(x, linear.weight)
+    return cast(torch.Tensor, linear(x))
+
+
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from chatapp.kernels.gemv import gemv
+
+    return cast(torch.Tensor, gemv(x, weight))
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +95,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: RotaryEmbedding, table: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = project(self.qkv_proj, x)
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         if self.q_norm is not None:
@@ -84,7 +109,7 @@ class Attention(nn.Module):
             qk = rope.rotate(qk, table)  # q and k in one go
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer, qk[:, : self.num_heads], qk[:, self.num_heads :], v)
-        return cast(torch.Tensor, self.o_proj(out.reshape(t, self.q_size)))
+        return project(self.o_proj, out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -98,14 +123,14 @@ class MLP(nn.Module):
         self.gelu = mc.is_gemma  # GeGLU (tanh-approximated GELU), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = project(self.gate_up_proj, x)
         if gate_up.is_cuda and FUSED_GPU_KERNELS and not self.gelu and gate_up.dim() == 2:
             from chatapp.kernels.fused import silu_mul
 
-            return cast(torch.Tensor, self.down_proj(silu_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
+            return project(self.down_proj, silu_mul(gate_up))
+        gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return cast(torch.Tensor, self.down_proj(act * up))
+        return project(self.down_proj, act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -220,4 +245,6 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_lm_head is not None:
             return cast(torch.Tensor, self.quantized_lm_head(hidden))
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if GEMV_KERNEL and hidden.is_cuda and hidden.shape[0] == 1 and hidden.dtype in (torch.bfloat16, torch.float16):
+            return linear_gemv(hidden.contiguous(), weight)
         return F.linear(hidden, weight)
