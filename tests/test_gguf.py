@@ -105,6 +105,33 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
     assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)
 
 
+def test_q6_k_sums_past_float32_precision_agree_on_every_path(ext) -> None:
+    """Q6_K sums its sub-blocks in float32 (kquant.cpp says why): every loop must round the same way where
+    the sums pass 2^24 and float32 rounds them. Every code 63 (31 after its offset), every scale 127 and
+    activations of +-1 (int8 codes +-127) make a super-block's sum 127 * 31 * 127 * (its signs' sum): about
+    10^8, and odd where the signs' sum is."""
+    n, k, rows = 32, 1024, 9
+    block = np.zeros((n, k // 256, 210), dtype=np.uint8)
+    block[..., :192] = 0xFF  # low nibbles and high bits: every code 63
+    block[..., 192:208] = 127  # the 16 sub-block scales
+    d = np.full(block.shape[:2], 2.0**-20, dtype=np.float16)
+    block[..., 208:210] = d.view(np.uint8).reshape(*d.shape, 2)
+    raw = block.reshape(n, -1)
+    packed, kind = repack(ext, raw, "Q6_K", k)
+    rng = np.random.default_rng(5)
+    signs = np.where(rng.random((rows, k)) < 0.15, -1.0, 1.0)
+    exact = 127 * 31 * 127 * signs.reshape(rows, k // 256, 256).sum(-1)
+    assert ((np.abs(exact) > 2**24) & (exact % 8 != 0)).any()  # sums float32 cannot hold: they round
+    x = torch.from_numpy(signs).float()
+    y = ext.block_linear(x, packed, kind, n, None)
+    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K))
+    assert torch.allclose(y.double(), x.double() @ weights.double().T, rtol=1e-6)
+    for path in ext.block_quant_paths():
+        assert torch.equal(ext.block_linear(x, packed, kind, n, None, path=path), y), path
+        for i in range(rows):
+            assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, kind, n, None, path=path)[0], y[i])
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q6_K"])
 def test_threads_sharing_a_linear_compute_every_tile_once(ext, type_name: str) -> None:
     """Two threads split a linear's tiles as they go (one takes tiles from the back of the other's share
