@@ -105,26 +105,39 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
     assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)
 
 
-def test_q6_k_sums_past_float32_precision_agree_on_every_path(ext) -> None:
-    """Q6_K sums its sub-blocks in float32 (kquant.cpp says why): every loop must round the same way where
-    the sums pass 2^24 and float32 rounds them. Every code 63 (31 after its offset), every scale 127 and
-    activations of +-1 (int8 codes +-127) make a super-block's sum 127 * 31 * 127 * (its signs' sum): about
-    10^8, and odd where the signs' sum is."""
+# K-quant blocks with every code and scale at its largest: (block bytes, where d sits, the bytes of codes and
+# scales, and a super-block's sum over its activations' signs: scale x code x 127 per input).
+EXTREME_K_BLOCKS = {
+    "Q4_K": (144, 0, slice(4, 144), 63 * 15 * 127),  # codes 15, scales 63 (and minimums 63, dmin 0)
+    "Q5_K": (176, 0, slice(4, 176), 63 * 31 * 127),  # codes 31
+    "Q6_K": (210, 208, slice(0, 208), 127 * 31 * 127),  # codes 63 (31 after the offset), scales 127
+}
+
+
+@pytest.mark.parametrize("type_name", sorted(EXTREME_K_BLOCKS))
+def test_k_quant_sums_past_float32_precision_agree_on_every_path(ext, type_name: str) -> None:
+    """The K kinds sum their scaled dots in float32 (kquant.cpp says why): every loop must round the same way
+    where the sums pass 2^24 and float32 rounds them. Codes and scales at their largest and activations of
+    +-1 (int8 codes +-127) make a super-block's sum about 10^7-10^8."""
+    block_bytes, d_at, filled, per_sign = EXTREME_K_BLOCKS[type_name]
     n, k, rows = 32, 1024, 9
-    block = np.zeros((n, k // 256, 210), dtype=np.uint8)
-    block[..., :192] = 0xFF  # low nibbles and high bits: every code 63
-    block[..., 192:208] = 127  # the 16 sub-block scales
+    block = np.zeros((n, k // 256, block_bytes), dtype=np.uint8)
+    block[..., filled] = 0xFF
+    if type_name == "Q6_K":
+        block[..., 192:208] = 127  # int8 scales
     d = np.full(block.shape[:2], 2.0**-20, dtype=np.float16)
-    block[..., 208:210] = d.view(np.uint8).reshape(*d.shape, 2)
+    block[..., d_at : d_at + 2] = d.view(np.uint8).reshape(*d.shape, 2)
+    if type_name != "Q6_K":
+        block[..., 2:4] = 0  # dmin
     raw = block.reshape(n, -1)
-    packed, kind = repack(ext, raw, "Q6_K", k)
+    packed, kind = repack(ext, raw, type_name, k)
     rng = np.random.default_rng(5)
-    signs = np.where(rng.random((rows, k)) < 0.15, -1.0, 1.0)
-    exact = 127 * 31 * 127 * signs.reshape(rows, k // 256, 256).sum(-1)
+    signs = np.where(rng.random((rows, k)) < 0.1, -1.0, 1.0)
+    exact = per_sign * signs.reshape(rows, k // 256, 256).sum(-1)
     assert ((np.abs(exact) > 2**24) & (exact % 8 != 0)).any()  # sums float32 cannot hold: they round
     x = torch.from_numpy(signs).float()
     y = ext.block_linear(x, packed, kind, n, None)
-    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K))
+    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]))
     assert torch.allclose(y.double(), x.double() @ weights.double().T, rtol=1e-6)
     for path in ext.block_quant_paths():
         assert torch.equal(ext.block_linear(x, packed, kind, n, None, path=path), y), path

@@ -10,15 +10,15 @@
 // exact integer sums of each 16 codes). For a tile of 16 output channels and one group of 32 inputs,
 // 8 AVX-512 VNNI dot instructions give each channel's exact int32 dot; the sub-block scales multiply it
 // and it is summed over the super-block, then the super-block's float scales apply once:
-//   Q4_K / Q5_K: y += isum * (d * dx) - imin * (dmin * dx),  isum = sum_g sc_g * dot_g, imin = sum_g m_g * xsum_g
+//   Q4_K / Q5_K: y += fsum * (d * dx) - imin * (dmin * dx),  fsum = sum_g sc_g * dot_g, imin = sum_g m_g * xsum_g
 //   Q6_K:        y += fsum * (d * dx),  fsum = sum_s sc_s * (dot_s - 32 * xsum_s)  (sub-blocks of 16)
-// isum and imin are int32 sums (exact: no overflow is possible with these ranges), so the VNNI loops may
-// gather them in whatever order is cheapest: imin comes from word dots (vpdpwssd) on two groups' factors
-// at once, once per super-block rather than a multiply per group. Q6_K's fsum is a float32 chain of fused
-// multiply-adds in sub-block order, the same in every loop: each product is exact (|dot - 32 * xsum| <=
-// 2^16, |sc| <= 2^7) and so is the sum while it stays under 2^24; a 32-bit integer multiply (vpmullo) per
-// sub-block cost 2 of the 14 vector-port operations of a group and row, a convert and a fused add cost 1
-// each (measured: prompts of 512 rows 11% faster, 8 rows 5%). Each Q6_K sub-block's dot chain starts at
+// fsum is a float32 chain of fused multiply-adds in group (Q6_K: sub-block) order, the same in every loop:
+// each product is exact (a dot is at most 2^17, a scale 2^6, or 2^16 and 2^7 for Q6_K) and so is the sum
+// while it stays under 2^24. Why float: a 32-bit integer multiply (vpmullo) per scale costs 2 vector-port
+// operations and its add 1, a convert and a fused add 1 each, and those ports are what the dots wait for
+// (measured, alternated: Q6_K prompts of 512 rows 11% faster, 8 rows 5%; Q4_K 5% and 2%). imin is an exact
+// int32 sum, so the VNNI loops gather it in the cheapest order: word dots (vpdpwssd) on two groups' factors
+// at once, once per super-block rather than a multiply per group. Each Q6_K sub-block's dot chain starts at
 // -32 * xsum_s (read from memory), so its offset costs no instruction of its own.
 // Every output runs the same float steps whatever the batch holds: answers are batch-invariant, and the
 // portable loop below does the same arithmetic one value at a time (tests hold the two to the same bits).
@@ -172,21 +172,24 @@ void tile_loop(PortableLoop, const SuperBlockActivations& a, int64_t rows, int64
   auto block = [&](const uint8_t* blk, const int8_t* xq, int64_t rb, int64_t c, float& f) {
     const int32_t* xs = a.sum16.data() + rb * 16;
     const float dx = a.scale[rb];
-    int32_t isum = 0, imin = 0;
-    float fsum = 0.0f;  // Q6_K
+    int32_t imin = 0, group_dot = 0;
+    float fsum = 0.0f;
     for (int64_t s = 0; s < 16; ++s) {  // sub-blocks of 16 inputs
       int32_t dot = 0;
       for (int64_t i = 16 * s; i < 16 * s + 16; ++i) dot += code_at<kKind>(blk, c, i) * xq[i];
       if constexpr (kKind == kKindQ6K) {
         const float sc = static_cast<float>(static_cast<int8_t>(blk[L.sc_offset + 16 * s + c]));
         fsum = std::fma(static_cast<float>(dot - 32 * xs[s]), sc, fsum);
-      } else {
-        isum += blk[L.sc_offset + 16 * (s / 2) + c] * dot;
+      } else {  // one scale per group of two sub-blocks: their dots are added first
+        group_dot += dot;
+        if (s % 2 == 1) {
+          fsum = std::fma(static_cast<float>(group_dot), static_cast<float>(blk[L.sc_offset + 16 * (s / 2) + c]), fsum);
+          group_dot = 0;
+        }
         imin += blk[L.m_offset + 16 * (s / 2) + c] * xs[s];
       }
     }
-    const float sum = kKind == kKindQ6K ? fsum : static_cast<float>(isum);
-    f = std::fma(sum, half_at(blk + L.d_offset + 2 * c) * dx, f);
+    f = std::fma(fsum, half_at(blk + L.d_offset + 2 * c) * dx, f);
     if constexpr (kKind != kKindQ6K)
       f = std::fma(-static_cast<float>(imin), half_at(blk + L.dmin_offset + 2 * c) * dx, f);
   };
@@ -236,11 +239,18 @@ inline __m512i dot_chain(const __m512i w[4], const int8_t* xq, __m512i start = _
   return dot_broadcast4(s, w[3], xq + 12);
 }
 
-// One row's Q4_K group g: sc * dot, with the high nibbles left in place. A byte's high nibble, masked, is
+// The float32 value of group g's 16 integer scales (Q4_K, Q5_K).
+template <int64_t kKind>
+CHATAPP_INLINE inline __m512 group_scales(const uint8_t* blk, int64_t g) {
+  constexpr KindLayout L = layout_of(kKind);
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc));
+}
+
+// One row's Q4_K group g: its dot, with the high nibbles left in place. A byte's high nibble, masked, is
 // 16 x its code and still an unsigned byte, so the inputs 16-31 dot comes out 16 x too large and is shifted
 // back once (exactly: it is a multiple of 16), instead of shifting 4 registers of codes.
 CHATAPP_INLINE inline __m512i q4k_group_one_row(const uint8_t* blk, int64_t g, const int8_t* x) {
-  constexpr KindLayout L = layout_of(kKindQ4K);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
   for (int j = 0; j < 4; ++j) {
@@ -248,14 +258,7 @@ CHATAPP_INLINE inline __m512i q4k_group_one_row(const uint8_t* blk, int64_t g, c
     low = dot_broadcast4(low, _mm512_and_si512(v, low4), x + 4 * j);
     high = dot_broadcast4(high, _mm512_andnot_si512(low4, v), x + 16 + 4 * j);
   }
-  const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g)));
-  return _mm512_mullo_epi32(_mm512_add_epi32(low, _mm512_srai_epi32(high, 4)), sc);
-}
-
-// One group's share of a row's integer sum (Q4_K, Q5_K): sc * dot.
-template <int64_t kKind>
-CHATAPP_INLINE inline __m512i group_sum(const __m512i w[8], __m512i sc0, const int8_t* xq) {
-  return _mm512_mullo_epi32(_mm512_add_epi32(dot_chain(w, xq), dot_chain(w + 4, xq + 16)), sc0);
+  return _mm512_add_epi32(low, _mm512_srai_epi32(high, 4));
 }
 
 // A Q6_K group's two sub-blocks added to a row's float sum: fsum + sc * (dot - 32 * sum(x)), sub-block by
@@ -268,19 +271,19 @@ CHATAPP_INLINE inline __m512 q6k_group(const __m512i w[8], __m512 fsc0, __m512 f
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), fsc1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), fsc0, fsum));
 }
 
-// Two rows' group_sum at once, for the batched loop (Q4_K, Q5_K): each row's 8 dots as one chain (one
+// Two rows' group dots at once, for the batched loop (Q4_K, Q5_K): each row's 8 dots as one chain (one
 // scale for the group's 32 inputs), the two rows' chains interleaved to hide the dots' latency. Why: the
 // 512-bit dots share two vector ports with every other vector instruction, so the add joining two chains is
 // ~1/12 of a row's work.
-CHATAPP_INLINE inline void group_sum2(const __m512i w[8], __m512i sc0, const int8_t* x0, const int8_t* x1,
-                                      __m512i& part0, __m512i& part1) {
+CHATAPP_INLINE inline void group_dot2(const __m512i w[8], const int8_t* x0, const int8_t* x1, __m512i& dot0,
+                                      __m512i& dot1) {
   __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
   for (int j = 0; j < 8; ++j) {
     s0 = dot_broadcast4(s0, w[j], x0 + 4 * (j % 4) + 16 * (j / 4));
     s1 = dot_broadcast4(s1, w[j], x1 + 4 * (j % 4) + 16 * (j / 4));
   }
-  part0 = _mm512_mullo_epi32(s0, sc0);
-  part1 = _mm512_mullo_epi32(s1, sc0);
+  dot0 = s0;
+  dot1 = s1;
 }
 
 // The per-super-block factors that multiply SuperBlockActivations' pair sums in word dots (vpdpwssd), lane c
@@ -300,22 +303,17 @@ CHATAPP_INLINE inline void load_pairs(const uint8_t* blk, __m512i pairs[kPairs])
     }
 }
 
-// A row's Q6_K super-block b, from its float sum over the 16 sub-blocks into its output sum f.
-CHATAPP_INLINE inline __m512 finish_q6k_block(__m512 fsum, const SuperBlockActivations& a, int64_t k, int64_t row,
-                                              int64_t b, __m512 d, __m512 f) {
-  return _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, _mm512_set1_ps(a.scale[row * (k / kSuperBlock) + b])), f);
-}
-
-// A row's super-block b, from its integer sum over the 8 groups into its float sum f, in the portable loop's
-// float steps: Q4_K / Q5_K take off the minimums (sum_g m_g * xsum_g, 4 word dots, exact in int32).
+// A row's super-block b, from its float sum fsum into its output sum f, in the portable loop's float steps:
+// Q4_K / Q5_K take off the minimums (sum_g m_g * xsum_g, 4 word dots, exact in int32).
 template <int64_t kKind>
-CHATAPP_INLINE inline __m512 finish_block(__m512i isum, const __m512i pairs[kPairs], const SuperBlockActivations& a,
+CHATAPP_INLINE inline __m512 finish_block(__m512 fsum, const __m512i pairs[kPairs], const SuperBlockActivations& a,
                                           int64_t k, int64_t row, int64_t b, __m512 d, __m512 dmin, __m512 f) {
   const __m512 dx = _mm512_set1_ps(a.scale[row * (k / kSuperBlock) + b]);
+  f = _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, dx), f);
+  if constexpr (kKind == kKindQ6K) return f;
   const int32_t* x = a.pair32.data() + row * (k / 64) + 4 * b;
   __m512i word_dot = _mm512_setzero_si512();
   for (int p = 0; p < kPairs; ++p) word_dot = _mm512_dpwssd_epi32(word_dot, pairs[p], _mm512_set1_epi32(x[p]));
-  f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, dx), f);
   return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(word_dot), _mm512_mul_ps(dmin, dx), f);
 }
 
@@ -358,30 +356,28 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
     for_each_block<L.tile_bytes>(tile, blocks, 0, false, [&](const uint8_t* blk, int64_t b) CHATAPP_INLINE {
       const int8_t* xq = a.q.data() + row * k + b * kSuperBlock;
       const int32_t* q6 = a.q6_start.data() + row * (k / 16) + b * 16;
-      __m512i isum = _mm512_setzero_si512();
-      __m512 fsum = _mm512_setzero_ps();  // Q6_K
+      __m512 fsum = _mm512_setzero_ps();
       for (int64_t g = 0; g < 8; ++g) {
         prefetch_share<kKind>(blk, g);
         if constexpr (kKind == kKindQ4K) {
-          isum = _mm512_add_epi32(isum, q4k_group_one_row(blk, g, xq + 32 * g));
+          const __m512i dot = q4k_group_one_row(blk, g, xq + 32 * g);
+          fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), group_scales<kKind>(blk, g), fsum);
         } else {
           __m512i w[8], sc0, sc1;
           load_group<kKind>(blk, g, w, sc0, sc1);
-          if constexpr (kKind == kKindQ6K)
+          if constexpr (kKind == kKindQ6K) {
             fsum = q6k_group(w, _mm512_cvtepi32_ps(sc0), _mm512_cvtepi32_ps(sc1), xq + 32 * g, q6 + 2 * g, fsum);
-          else
-            isum = _mm512_add_epi32(isum, group_sum<kKind>(w, sc0, xq + 32 * g));
+          } else {
+            const __m512i dot = _mm512_add_epi32(dot_chain(w, xq + 32 * g), dot_chain(w + 4, xq + 32 * g + 16));
+            fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_cvtepi32_ps(sc0), fsum);
+          }
         }
       }
       __m512 d, dmin;
       load_block_scales<kKind>(blk, d, dmin);
-      if constexpr (kKind == kKindQ6K) {
-        f = finish_q6k_block(fsum, a, k, row, b, d, f);
-      } else {
-        __m512i pairs[kPairs];
-        load_pairs<kKind>(blk, pairs);
-        f = finish_block<kKind>(isum, pairs, a, k, row, b, d, dmin, f);
-      }
+      __m512i pairs[kPairs];
+      load_pairs<kKind>(blk, pairs);
+      f = finish_block<kKind>(fsum, pairs, a, k, row, b, d, dmin, f);
     });
     out.store(f, y + row * n_out + n0);
   };
@@ -395,8 +391,7 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
   constexpr int64_t kRows = SuperBlockActivations::kChunkRows;  // rows per pass: a chunk of by_group
   const int64_t blocks = k / kSuperBlock;
   alignas(64) float acc[kRows * kQuantTile];
-  alignas(64) int32_t isum[kRows * kQuantTile];  // Q4_K, Q5_K
-  alignas(64) float fsum[kRows * kQuantTile];    // Q6_K
+  alignas(64) float fsum[kRows * kQuantTile];
   if (rows == 1) return tiles_one_row_vnni<kKind>(a, 0, k, packed, t0, t1, y, n_out, bias);
   // Each group's codes are unpacked once for all the rows (its registers reused row after row), the rows'
   // super-block sums kept in L1.
@@ -417,18 +412,20 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
           _mm512_store_ps(fs, q6k_group(w, fsc0, fsc1, xq + 32 * r, q6 + r * (k / 16), sum));
         }
       } else {
-        auto add = [&](int64_t r, __m512i part) CHATAPP_INLINE {
-          int32_t* is = isum + r * kQuantTile;
-          _mm512_store_si512(is, first ? part : _mm512_add_epi32(_mm512_load_si512(is), part));
+        const __m512 fsc = _mm512_cvtepi32_ps(sc0);
+        auto add = [&](int64_t r, __m512i dot) CHATAPP_INLINE {
+          float* fs = fsum + r * kQuantTile;
+          const __m512 sum = first ? _mm512_setzero_ps() : _mm512_load_ps(fs);
+          _mm512_store_ps(fs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), fsc, sum));
         };
         int64_t r = 0;
         for (; r + 1 < count; r += 2) {
-          __m512i part0, part1;
-          group_sum2(w, sc0, xq + 32 * r, xq + 32 * (r + 1), part0, part1);
-          add(r, part0);
-          add(r + 1, part1);
+          __m512i dot0, dot1;
+          group_dot2(w, xq + 32 * r, xq + 32 * (r + 1), dot0, dot1);
+          add(r, dot0);
+          add(r + 1, dot1);
         }
-        if (r < count) add(r, group_sum<kKind>(w, sc0, xq + 32 * r));
+        if (r < count) add(r, _mm512_add_epi32(dot_chain(w, xq + 32 * r), dot_chain(w + 4, xq + 32 * r + 16)));
       }
     };
     add_group(0, true);
@@ -439,12 +436,8 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
     load_pairs<kKind>(blk, pairs);
     for (int64_t r = 0; r < count; ++r) {
       float* out = acc + r * kQuantTile;
-      if constexpr (kKind == kKindQ6K)
-        _mm512_store_ps(out, finish_q6k_block(_mm512_load_ps(fsum + r * kQuantTile), a, k, m0 + r, b, d,
-                                              _mm512_load_ps(out)));
-      else
-        _mm512_store_ps(out, finish_block<kKind>(_mm512_load_si512(isum + r * kQuantTile), pairs, a, k, m0 + r, b, d,
-                                                 dmin, _mm512_load_ps(out)));
+      _mm512_store_ps(out, finish_block<kKind>(_mm512_load_ps(fsum + r * kQuantTile), pairs, a, k, m0 + r, b, d, dmin,
+                                               _mm512_load_ps(out)));
     }
   };
   // Only the first rows' pass prefetches (block does, a share per group): later passes find the tile in L2.
@@ -455,8 +448,8 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
 #if defined(CHATAPP_HAVE_AVX2)
 // The VNNI loops' arithmetic on 256-bit registers: a tile's 16 channels as two halves of 8 (bytes
 // 32h..32h+31 of every 64-byte chunk, and entries 8h..8h+7 of its scale arrays). The same exact integer
-// sums per super-block (Q6_K: the same float chain), then the same float steps in the same order: every
-// output has the VNNI bits.
+// dots, the same float chain per super-block and the same float steps in the same order: every output has
+// the VNNI bits.
 template <int64_t kKind>
 inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], __m256i& sc0, __m256i& sc1,
                             __m256i& mv) {
@@ -505,12 +498,10 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
   const int64_t blocks = k / kSuperBlock;
   const int64_t ahead = rows == 1 ? 8 : 2;  // super-blocks prefetched into L2 (the VNNI loops' kAhead says why)
   alignas(32) float acc[kRows * kQuantTile];
-  alignas(32) int32_t isum[kRows * kQuantTile];
   alignas(32) int32_t imin[kRows * kQuantTile];
-  alignas(32) float fsum[kRows * kQuantTile];  // Q6_K
+  alignas(32) float fsum[kRows * kQuantTile];
   auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
     for (int64_t i = 0; i < count * kQuantTile; i += 8) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(isum + i), _mm256_setzero_si256());
       _mm256_store_si256(reinterpret_cast<__m256i*>(imin + i), _mm256_setzero_si256());
       _mm256_store_ps(fsum + i, _mm256_setzero_ps());
     }
@@ -523,15 +514,15 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
           const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
           const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
           __m256i s0 = dot_chain_avx2(w, xq), s1 = dot_chain_avx2(w + 4, xq + 16);
-          __m256i* is = reinterpret_cast<__m256i*>(isum + r * kQuantTile + 8 * h);
+          float* fs = fsum + r * kQuantTile + 8 * h;
           if constexpr (kKind == kKindQ6K) {
             s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xs[0]));
             s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * xs[1]));
-            float* fs = fsum + r * kQuantTile + 8 * h;
             const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_cvtepi32_ps(sc0), _mm256_load_ps(fs));
             _mm256_store_ps(fs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_cvtepi32_ps(sc1), sum));
           } else {
-            *is = _mm256_add_epi32(*is, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), sc0));
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+            _mm256_store_ps(fs, _mm256_fmadd_ps(dot, _mm256_cvtepi32_ps(sc0), _mm256_load_ps(fs)));
             __m256i* im = reinterpret_cast<__m256i*>(imin + r * kQuantTile + 8 * h);
             *im = _mm256_add_epi32(*im, _mm256_mullo_epi32(mv, _mm256_set1_epi32(xs[0] + xs[1])));
           }
@@ -544,10 +535,7 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
         const __m256 dx = _mm256_set1_ps(a.scale[(m0 + r) * blocks + b]);
         float* out = acc + r * kQuantTile + 8 * h;
         const int64_t at = r * kQuantTile + 8 * h;
-        const __m256 sum = kKind == kKindQ6K
-                               ? _mm256_load_ps(fsum + at)
-                               : _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(isum + at)));
-        __m256 f = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, dx), _mm256_load_ps(out));
+        __m256 f = _mm256_fmadd_ps(_mm256_load_ps(fsum + at), _mm256_mul_ps(d, dx), _mm256_load_ps(out));
         if constexpr (kKind != kKindQ6K)
           f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(imin + at))),
                                _mm256_mul_ps(dmin, dx), f);
