@@ -321,15 +321,20 @@ CHATAPP_INLINE inline __m512 finish_block(__m512 fsum, const __m512i pairs[kPair
 // bus busy (measured: 17 GB/s into L1 at 4 ahead, 25 into L2 at 8, 2 threads).
 constexpr int64_t kAhead = 8;
 
-// Group g's eighth of the cache lines of the super-block kAhead blocks after blk, into L2. Each group fetches
+// The batched loop fetches 6 super-blocks ahead instead: a super-block takes it several rows' work, so 8 ahead
+// was early (alternated A/B over 390-580 MB of weights, 8 rows: Q4_K 257 -> 282 GMAC/s, Q6_K 201 -> 211;
+// 32 rows: Q4_K 442 -> 484; 2, 3 and 4 ahead also beat 8, by less).
+constexpr int64_t kAheadBatched = 6;
+
+// Group g's eighth of the cache lines of the super-block kDistance blocks after blk, into L2. Each group fetches
 // its share rather than each super-block all its 37-53 lines at once: such a burst filled the core's miss
 // buffers and stalled it (perf put a quarter of the 8-way loop's samples on the prefetches), so reading
 // and computing ran one after the other. Spread, they overlap: alternated A/B over 390 MB of weights, one
 // row Q4_K +18% / Q6_K +15%, 8 rows +24% / +19%, 512 rows flat; same bits.
-template <int64_t kKind>
+template <int64_t kKind, int64_t kDistance = kAhead>
 CHATAPP_INLINE inline void prefetch_share(const uint8_t* blk, int64_t g) {
   constexpr int64_t kLines = (layout_of(kKind).tile_bytes + 63) / 64, kPerGroup = (kLines + 7) / 8;
-  const uint8_t* next = blk + kAhead * layout_of(kKind).tile_bytes;
+  const uint8_t* next = blk + kDistance * layout_of(kKind).tile_bytes;
   for (int64_t line = g * kPerGroup; line < std::min(kLines, (g + 1) * kPerGroup); ++line)
     _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
 }
@@ -399,7 +404,7 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
     // The first group's sums start the rows' sums (no zeroing pass: GCC made it a memset call per super-block,
     // 2% of a prefill).
     auto add_group = [&](int64_t g, bool first) CHATAPP_INLINE {
-      if (m0 == 0) prefetch_share<kKind>(blk, g);  // the first rows' pass brings the tile in
+      if (m0 == 0) prefetch_share<kKind, kAheadBatched>(blk, g);  // the first rows' pass brings the tile in
       __m512i w[8], sc0, sc1;
       load_group<kKind>(blk, g, w, sc0, sc1);
       const int8_t* xq = a.by_group.data() + a.grouped(m0, b * 8 + g, k);  // rows m0.. follow it, 32 bytes apart
