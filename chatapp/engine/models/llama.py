@@ -31,18 +31,14 @@ GEMV_KERNEL = os.environ.get("CHATAPP_GPU_GEMV", "1") != "0"
 Tables = tuple[torch.Tensor, torch.Tensor]  # a RoPE table's (cos, signed sin) for a step's positions
 
 
+def gemv_applies(x: torch.Tensor) -> bool:
+    """One row in half precision on a GPU, with the GEMV kernel on (see GEMV_KERNEL)."""
+    return GEMV_KERNEL and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``, through the GEMV kernel where that applies (see GEMV_KERNEL)."""
-    if (
-        GEMV_KERNEL
-        and x.is_cuda
-        and x.dim() == 2
-        and x.shape[0] == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and type(linear) is nn.Linear
-        and linear.bias is None
-        and x.is_contiguous()
-    ):
+    """``linear(x)``, through the GEMV kernel where that applies."""
+    if gemv_applies(x) and type(linear) is nn.Linear and linear.bias is None:
         return linear_gemv(x, linear.weight)
     return cast(torch.Tensor, linear(x))
 
@@ -50,7 +46,7 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from chatapp.kernels.gemv import gemv
 
-    return cast(torch.Tensor, gemv(x, weight))
+    return cast(torch.Tensor, gemv(x.contiguous(), weight))
 
 
 class RMSNorm(nn.Module):
@@ -245,6 +241,6 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_lm_head is not None:
             return cast(torch.Tensor, self.quantized_lm_head(hidden))
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if GEMV_KERNEL and hidden.is_cuda and hidden.shape[0] == 1 and hidden.dtype in (torch.bfloat16, torch.float16):
-            return linear_gemv(hidden.contiguous(), weight)
+        if gemv_applies(hidden):
+            return linear_gemv(hidden, weight)
         return F.linear(hidden, weight)
