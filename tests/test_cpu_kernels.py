@@ -252,3 +252,27 @@ def test_weights_below_two_to_the_minus_64_are_exactly_zero(ext) -> None:
         expected = 1e30 * torch.softmax(torch.tensor([0.0, 0.0, -gap], dtype=torch.float64), 0)[2]
         assert out[0] == pytest.approx(1.0, rel=1e-6)
         assert out[1] == (0.0 if dropped else pytest.approx(float(expected), rel=1e-5)), (gap, out[1])
+
+
+def test_threads_sharing_attention_compute_every_task_once(ext) -> None:
+    """Two threads claim attention's tasks (a request's KV head and up to 16 query rows) as they go: over
+    many calls every output equals the one-thread result bit for bit. The queries alternate, so a task
+    left undone (its output memory reused from the call before) would show the other query's values."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    q_lens = [1] * 12 + [20, 7]  # 12 decodes and two prefill chunks: 2 x (12 + 10 + 4) = 52 tasks
+    seq_lens = [5 + 9 * i for i in range(12)] + [20, 40]
+    meta = make_step(block_size, seq_lens, q_lens, num_blocks=128, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn(128, block_size, num_kv_heads, head_dim, generator=gen).half()
+    v_cache = torch.randn(128, block_size, num_kv_heads, head_dim, generator=gen).half()
+    queries = [torch.randn(sum(q_lens), num_heads, head_dim, generator=gen) for _ in range(2)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [kernel(ext, q, k_cache, v_cache, meta, head_dim**-0.5) for q in queries]
+        torch.set_num_threads(2)
+        for call in range(200):
+            i = call % 2
+            assert torch.equal(kernel(ext, queries[i], k_cache, v_cache, meta, head_dim**-0.5), alone[i]), call
+    finally:
+        torch.set_num_threads(threads)

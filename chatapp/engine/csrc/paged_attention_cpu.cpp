@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "vec16.h"
+#include "worker_pool.h"
 
 #define CHATAPP_ALWAYS_INLINE __attribute__((always_inline))
 
@@ -334,9 +335,19 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+  // Tasks are claimed a few at a time from a shared counter (see worker_pool.h), each computed whole.
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  const int64_t per_claim = std::max<int64_t>(1, num_tasks / std::max<int64_t>(1, 4 * threads));
+  std::atomic<int64_t> next_task{0};
+  chatapp::parallel_parts(threads, [&](int64_t) {
     std::vector<float> scores, qt(g.D * kLanes);
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = 0, claimed_end = 0;; ++t) {
+      if (t == claimed_end) {  // claim the next few tasks
+        t = next_task.fetch_add(per_claim, std::memory_order_relaxed);
+        if (t >= num_tasks) break;
+        claimed_end = std::min(t + per_claim, num_tasks);
+      }
       const Task& task = tasks[t];
       const int64_t b = task.request, q_len = qsl[b + 1] - qsl[b], start = lens[b] - q_len;
       const int64_t nv = task.num_vectors;

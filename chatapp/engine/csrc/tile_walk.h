@@ -16,6 +16,7 @@
 
 #include "avx2_dot.h"
 #include "block_quant.h"
+#include "worker_pool.h"
 
 // The walks below, and the lambdas handed to them, are inlined early (always_inline), before GCC optimises
 // the function that calls them, so they compile as if written out in place. Left to the ordinary inliner,
@@ -190,13 +191,13 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(h);
 }
 
-// run(t0, t1) over output tiles [0, tiles) on the intra-op threads, so that no thread waits long for another
-// at the end. Each thread walks its own contiguous share from the front, kTilesPerClaim tiles at a time (one
-// stream the prefetchers follow, an atomic step per 40-300 KB of weights); one that runs out takes single
-// tiles from the back of the share with the most left. Why: with a fixed split, the thread woken second or
-// reading slower memory at that moment left the other idle for ~8% of a decode step's linear time (measured
-// on a 1B Q4_K_M model). A tile is always computed whole by one thread with the same arithmetic, so where
-// it runs never changes its bits.
+// run(t0, t1) over output tiles [0, tiles), on as many threads as torch's intra-op count (worker_pool.h), so that no
+// thread waits long for another at the end. Each thread walks its own contiguous share from the front,
+// kTilesPerClaim tiles at a time (one stream the prefetchers follow, an atomic step per 40-300 KB of weights); one
+// that runs out takes single tiles from the back of the share with the most left. Why: with a fixed split, the
+// thread woken second or reading slower memory at that moment left the other idle for ~8% of a decode step's linear
+// time (measured on a 1B Q4_K_M model). A tile is always computed whole by one thread with the same arithmetic, so
+// where it runs never changes its bits.
 constexpr int64_t kTilesPerClaim = 4;
 
 template <class Run>
@@ -223,10 +224,10 @@ inline void for_tiles_balanced(int64_t tiles, Run&& run) {
       if (shares[s].range.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return true;
     }
   };
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  // Share `me` is walked by whichever thread claims part `me` (the caller does a part no worker joins for).
+  chatapp::parallel_parts(threads, [&](int64_t me) {
     int64_t t0 = 0, t1 = 0;
-    for (int64_t me = begin; me < end; ++me)
-      while (take(me, kTilesPerClaim, false, t0, t1)) run(t0, t1);
+    while (take(me, kTilesPerClaim, false, t0, t1)) run(t0, t1);
     for (;;) {  // the others' tiles, from the back of the fullest share
       int64_t fullest = -1, most = 0;
       for (int64_t s = 0; s < threads; ++s) {
