@@ -77,7 +77,7 @@ struct QuantizedActivations {
       by_block.resize(padded * blocks);
       q_by_block.resize(padded * k);
     }
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    chatapp::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t at = grouped(r, b, k), rb = r * blocks + b;
@@ -127,7 +127,7 @@ void quantize_rows(const at::Tensor& x, QuantizedActivations& a, bool regroup, i
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kQuantBlock;
   a.resize(rows, k);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * blocks, a.sum.data() + r * blocks,
                    a.qsum.data() + r * blocks);

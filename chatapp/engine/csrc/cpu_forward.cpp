@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "block_quant.h"
+#include "worker_pool.h"
 #include "paged_attention_cpu.h"
 #include "vec16.h"
 
@@ -46,7 +47,7 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& w,
   const int64_t y_stride = y.defined() ? y.stride(0) : 0;
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = xp + r * n;
       if (yp) {
@@ -83,7 +84,7 @@ void rope(at::Tensor& qkv, int64_t heads, int64_t d, const at::Tensor& cos, cons
   float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> rolled(r);
     for (int64_t row = begin; row < end; ++row) {
       const float* c = cp + row * r;
@@ -139,7 +140,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gp + r * stride;
       const float* u = g + inter;
@@ -203,7 +204,7 @@ struct Linear {
     const float* xp = x.data_ptr<float>();
     float* bp = buf.data_ptr<float>() + k;  // row 1 on
     // Prologue: each row's absmax (outlier channels excluded), the row scaled to [-1, 1].
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const float* xr = xp + r * x_stride;
         float* br = bp + r * k;
@@ -225,7 +226,7 @@ struct Linear {
     float* yp = y.data_ptr<float>() + n;  // row 1 on
     const float* biasp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     // Epilogue: undo the row scale, add the float outlier channels (in order) and the bias.
-    at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         float* yr = yp + r * n;
         const float m = row_max[r];

@@ -15,6 +15,7 @@
 #include <cstring>
 
 #include "block_quant.h"
+#include "worker_pool.h"
 
 namespace {
 
@@ -242,7 +243,7 @@ std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_
   const int64_t* op = order.defined() ? order.data_ptr<int64_t>() : nullptr;
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  chatapp::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n; ++c) {
         const int64_t r = t * kQuantTile + c;

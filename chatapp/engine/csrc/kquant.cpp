@@ -124,7 +124,7 @@ void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a, boo
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0);
   a.resize(rows, k);
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row_superblocks(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * (k / kSuperBlock),
                                a.sum16.data() + r * (k / 16), a.pair32.data() + r * (k / 64),
@@ -134,7 +134,7 @@ void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a, boo
     const int64_t chunks = (rows + SuperBlockActivations::kChunkRows - 1) / SuperBlockActivations::kChunkRows;
     if (a.by_group.size() < static_cast<size_t>(chunks * SuperBlockActivations::kChunkRows * k))
       a.by_group.resize(chunks * SuperBlockActivations::kChunkRows * k);
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    chatapp::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t g = 0; g < k / 32; ++g) std::memcpy(a.by_group.data() + a.grouped(r, g, k), a.q.data() + r * k + 32 * g, 32);
     });

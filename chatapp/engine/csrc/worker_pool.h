@@ -144,4 +144,20 @@ inline void parallel_parts(int64_t parts, Body&& body) {
   WorkerPool::instance().run(parts, std::min<int64_t>(at::get_num_threads(), parts), body);
 }
 
+// f(b, e) over [begin, end) in one contiguous chunk per thread, each at least `grain` long, as at::parallel_for
+// splits a range, but on the pool: with a second set of threads (OpenMP's) beside ours, each spun while the other
+// needed the core. A range of at most `grain` runs here, inline.
+template <class F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, F&& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t parts = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / std::max<int64_t>(grain, 1));
+  if (parts <= 1) return f(begin, end);
+  const int64_t chunk = (n + parts - 1) / parts;
+  parallel_parts(parts, [&](int64_t p) {
+    const int64_t first = begin + p * chunk;
+    if (first < end) f(first, std::min(end, first + chunk));
+  });
+}
+
 }  // namespace chatapp
