@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -274,5 +277,35 @@ def test_threads_sharing_attention_compute_every_task_once(ext) -> None:
         for call in range(200):
             i = call % 2
             assert torch.equal(kernel(ext, queries[i], k_cache, v_cache, meta, head_dim**-0.5), alone[i]), call
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_forked_child_computes_without_its_parents_workers(ext) -> None:
+    """fork() copies the calling thread only: the child's kernels must not wait for workers that exist in
+    the parent alone (it gets a pool of its own), and give the parent's bits. The child calls our kernel
+    and nothing of torch's that could run OpenMP (which does not survive a fork once its threads exist)."""
+    meta = make_step(16, [37, 5, 80], [1, 1, 16], seed=5)
+    gen = torch.Generator().manual_seed(6)
+    k_cache_t = torch.randn(64, 2, 64, 16, generator=gen).half()  # the kernel's own layout, ready
+    v_cache = torch.randn(64, 16, 2, 64, generator=gen).half()
+    q = torch.randn(18, 8, 64, generator=gen)
+    args = (q, k_cache_t, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        expected = ext.paged_attention(*args)  # the parent's workers now exist
+        pid = os.fork()
+        if pid == 0:  # the child: only the check, then _exit; a hang is ended by the alarm's default action
+            code = 1
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(60)
+                results = [ext.paged_attention(*args) for _ in range(20)]
+                code = 0 if all(torch.equal(r, expected) for r in results) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
     finally:
         torch.set_num_threads(threads)

@@ -1,6 +1,6 @@
 #pragma once
-// The threads our kernels split a linear layer's tiles and attention's tasks over, in place of an OpenMP
-// parallel region per call.
+// The threads our C++ code splits its work over (a linear layer's tiles, attention's tasks, row loops, the GGUF
+// repack), in place of an OpenMP parallel region per call.
 //
 // Why: a decode step makes ~5 parallel calls per layer, microseconds apart. OpenMP waits passively after a
 // short spin (chatapp/__init__.py sets it so: threads that spin for long collapse when another process wants
@@ -15,6 +15,7 @@
 // Which thread computes a part never changes its arithmetic: answers stay the same bits.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -57,12 +58,21 @@ class WorkerPool {
     if (job.error) std::rethrow_exception(job.error);
   }
 
+  // The process's pool. A child made by fork() gets a new one (its parent's workers do not exist there, and a
+  // lock one of them held would stay locked); a pool is never destroyed: its detached workers outlive static
+  // destructors.
   static WorkerPool& instance() {
-    static WorkerPool* pool = new WorkerPool();  // never destroyed: its detached workers outlive static destructors
-    return *pool;
+    static std::once_flag once;
+    std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { current() = new WorkerPool(); }); });
+    return *current();
   }
 
  private:
+  static WorkerPool*& current() {
+    static WorkerPool* pool = new WorkerPool();
+    return pool;
+  }
+
   struct Job {
     void (*call)(const void*, int64_t);  // runs part p of the caller's body
     const void* body;
