@@ -5,11 +5,11 @@ import os as _os
 # OpenMP threads that spin while waiting collapse when anything else wants the
 # CPU (a TUI, a second engine client, a browser): on 2 cores a decode step got
 # 3-7x slower. So they wait passively, after a short spin (a few microseconds).
-# OpenMP now runs torch's own ops and our row loops over long prompts; the
-# matmuls and attention of every step use our kernels' own workers
-# (chatapp/engine/csrc/worker_pool.h), which never wait for a thread that has
-# not started. Both must be set before torch loads its OpenMP runtime, hence
-# this package's very first import. A user's own settings win.
+# OpenMP now runs torch's own ops only; our C++ code (matmuls, attention, row
+# loops) uses its own workers (chatapp/engine/csrc/worker_pool.h), which never
+# wait for a thread that has not started. Both must be set before torch loads
+# its OpenMP runtime, hence this package's very first import. A user's own
+# settings win.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
