@@ -283,7 +283,13 @@ def test_a_tool_result_continues_the_conversation(
     bundled_sdk: OpenAI, bundled_model: str, bundled_server: ServedEngine
 ) -> None:
     first = bundled_sdk.chat.completions.create(
-        model=bundled_model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=80
+        model=bundled_model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,  # sampled, an argument string could run past max_tokens (it did once in CI)
     ).choices[0]
     call = first.message.tool_calls[0]
     messages = [
