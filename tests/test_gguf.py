@@ -98,8 +98,10 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
         assert torch.equal(ext.block_linear(x, packed, kind, n, bias, path=path), y), path
         for i in (0, 3, 69):
             assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias, path=path)[0], y[i])
-        # an odd number of rows in the last pass (the batched loops take rows in pairs, the last one alone)
+        # an odd number of rows in the last pass (the batched loops take rows 8 at a time, then 4, 2 and 1)
         assert torch.equal(ext.block_linear(x[:69], packed, kind, n, bias, path=path), y[:69]), path
+        for rows in range(2, 14):  # decode batches: 2-8 rows keep their sums in registers (block_quant.cpp)
+            assert torch.equal(ext.block_linear(x[:rows], packed, kind, n, bias, path=path), y[:rows]), (path, rows)
     strided = torch.zeros(70, k + 64)[:, :k]
     strided.copy_(x)
     assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)

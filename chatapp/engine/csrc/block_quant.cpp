@@ -44,10 +44,13 @@ struct QuantizedActivations {
   std::vector<float> sum;     // [M, K / 32]: scale * qsum, the sum of the quantized block (for the minimums)
   std::vector<int32_t> qsum;  // [M, K / 32]: the sum of q over the block (undoes Q8's offset)
 
-  // The same again for the batched VNNI loop, in the order it reads them: block by block for kChunkRows rows
+  // The same again for the batched VNNI loop, in the order it reads them: block by block for `chunk` rows
   // in turn. In the arrays above one block's values of successive rows sit a row apart, a stride the
   // prefetchers miss (kquant.cpp measured it on its codes). Index: grouped(r, b) (codes: 32 from there).
+  // chunk is kChunkRows, or the batch's rows when fewer: a decode batch's copy is then dense (8 rows, K 8192:
+  // 64 KB) where a 64-row stride spread it over 512 KB, and its stores missed cache (~2% of an 8-way step).
   static constexpr int64_t kChunkRows = 64;
+  int64_t chunk = kChunkRows;
   struct Grouped {
     float scale, sum;
     int32_t start;  // -offset * qsum: the kind's code offset taken off, where a row's dot chain starts
@@ -65,19 +68,18 @@ struct QuantizedActivations {
     }
   }
 
-  static int64_t grouped(int64_t r, int64_t b, int64_t k) {
-    return (r / kChunkRows * (k / kQuantBlock) + b) * kChunkRows + r % kChunkRows;
-  }
+  int64_t grouped(int64_t r, int64_t b, int64_t k) const { return (r / chunk * (k / kQuantBlock) + b) * chunk + r % chunk; }
 
   // Fills q_by_block and by_block from the row-major arrays (rows > 1: one row needs no regrouping); offset:
   // the weight kind's code offset (Grouped::start).
   void group(int64_t rows, int64_t k, int32_t offset) {
-    const int64_t blocks = k / kQuantBlock, padded = (rows + kChunkRows - 1) / kChunkRows * kChunkRows;
+    chunk = std::min(rows, kChunkRows);
+    const int64_t blocks = k / kQuantBlock, padded = (rows + chunk - 1) / chunk * chunk;
     if (by_block.size() < static_cast<size_t>(padded * blocks)) {
       by_block.resize(padded * blocks);
       q_by_block.resize(padded * k);
     }
-    chatapp::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    chatapp::parallel_for(0, rows, chatapp::row_grain(k), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t at = grouped(r, b, k), rb = r * blocks + b;
@@ -127,7 +129,7 @@ void quantize_rows(const at::Tensor& x, QuantizedActivations& a, bool regroup, i
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kQuantBlock;
   a.resize(rows, k);
   const float* xp = x.data_ptr<float>();
-  chatapp::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, chatapp::row_grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * blocks, a.sum.data() + r * blocks,
                    a.qsum.data() + r * blocks);
@@ -159,6 +161,67 @@ constexpr int32_t code_offset(int kind) {
 constexpr int64_t kFifthBits = 256;  // where the 5-bit kinds keep their codes' fifth bits
 
 #if defined(CHATAPP_HAVE_VNNI)
+// A block's 16 channels x 32 inputs as unsigned bytes in w[0..7] (register j: inputs 4j..4j+3 of every channel,
+// j = 4..7 the high nibbles for the 4-bit kinds), the layout the dots read.
+template <int kKind>
+CHATAPP_INLINE inline void unpack_block(const uint8_t* blk, __m512i w[8]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  if constexpr (nibble_codes(kKind)) {
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(blk + 64 * j);
+      w[j] = _mm512_and_si512(v, low4);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    if constexpr (five_bit(kKind)) or_fifth_bits(w, _mm512_loadu_si512(blk + kFifthBits));
+  } else {
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
+  }
+}
+
+// Block b's int32 sums for kG rows (their grouped codes gq and Grouped gx), each started from its row's
+// offset term, the rows' chains side by side.
+template <int kKind, int kG>
+CHATAPP_INLINE inline void block_sums(const __m512i w[8], const QuantizedActivations::Grouped* gx, const int8_t* gq,
+                                      __m512i s[kG]) {
+  for (int r = 0; r < kG; ++r)
+    s[r] = code_offset(kKind) != 0 ? _mm512_set1_epi32(gx[r].start) : _mm512_setzero_si512();
+  dots_side_by_side<kG>(w, gq, s);
+}
+
+// Output tiles [t0, t1) for a decode batch of kR rows (2-8): each row's 16 float sums stay in a register across
+// the tile's blocks, where the general loop below keeps them in L1 (a load and a store per row and block, on
+// ports the dots' broadcasts also need). The float steps are the general loop's, in its order: same bits.
+template <int kKind, int kR>
+void tile_loop_rows(const QuantizedActivations& a, int64_t k, const uint8_t* packed, int64_t t0, int64_t t1,
+                    float* y, int64_t n_out, const float* bias) {
+  constexpr BlockLayout L = block_layout(kKind);
+  constexpr int64_t kAhead = 24;
+  const int64_t blocks = k / kQuantBlock;
+  auto tile_rows = [&](const uint8_t* tile, int64_t n0, const TileOut512& out) CHATAPP_INLINE {
+    __m512 acc[kR];
+    for (int r = 0; r < kR; ++r) acc[r] = _mm512_setzero_ps();
+    for_each_block<L.tile_bytes>(tile, blocks, kAhead, true, [&](const uint8_t* blk, int64_t b) CHATAPP_INLINE {
+      __m512i w[8];
+      unpack_block<kKind>(blk, w);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.scale_offset)));
+      __m512 mins = _mm512_setzero_ps();
+      if constexpr (L.has_min)
+        mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.min_offset)));
+      const int64_t first = a.grouped(0, b, k);
+      const QuantizedActivations::Grouped* gx = a.by_block.data() + first;
+      const int8_t* gq = a.q_by_block.data() + first * kQuantBlock;
+      __m512i s[kR];
+      block_sums<kKind, kR>(w, gx, gq, s);
+      for (int r = 0; r < kR; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(gx[r].scale)), acc[r]);
+        if constexpr (L.has_min) acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(gx[r].sum), acc[r]);
+      }
+    });
+    for (int r = 0; r < kR; ++r) out.store(acc[r], y + r * n_out + n0);
+  };
+  for_each_tile<TileOut512, L.tile_bytes>(packed, blocks, t0, t1, n_out, bias, tile_rows);
+}
+
 // Output tiles [t0, t1) for every row, 64 rows at a time so the float sums stay in L1.
 template <int kKind>
 void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t0,
@@ -166,6 +229,16 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
   constexpr BlockLayout L = block_layout(kKind);
   constexpr int64_t kRows = QuantizedActivations::kChunkRows;  // rows per pass: a chunk of by_block
   constexpr int64_t kAhead = 24;  // blocks of 32 inputs prefetched ahead into L2 (~8-14 KB; kquant.cpp says why)
+  switch (rows) {
+    case 2: return tile_loop_rows<kKind, 2>(a, k, packed, t0, t1, y, n_out, bias);
+    case 3: return tile_loop_rows<kKind, 3>(a, k, packed, t0, t1, y, n_out, bias);
+    case 4: return tile_loop_rows<kKind, 4>(a, k, packed, t0, t1, y, n_out, bias);
+    case 5: return tile_loop_rows<kKind, 5>(a, k, packed, t0, t1, y, n_out, bias);
+    case 6: return tile_loop_rows<kKind, 6>(a, k, packed, t0, t1, y, n_out, bias);
+    case 7: return tile_loop_rows<kKind, 7>(a, k, packed, t0, t1, y, n_out, bias);
+    case 8: return tile_loop_rows<kKind, 8>(a, k, packed, t0, t1, y, n_out, bias);
+    default: break;
+  }
   const int64_t blocks = k / kQuantBlock;
   alignas(64) float acc[kRows * kQuantTile];
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -214,17 +287,10 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
       _mm512_store_ps(acc, f);
     };
     if (rows == 1) return one_row(a.q.data() + b * kQuantBlock, a.scale[b], a.sum[b], a.qsum[b]);
-    // Many rows: each row's 8 dots are one chain, started from its offset term (a broadcast from memory); two
-    // rows' chains interleave, and a pair's float steps come after the next pair's dots, so they wait less in
-    // the scheduler. Why: the 512-bit dots share the CPU's two vector ports with every other vector
-    // instruction; dropping the chains' add and the offset's broadcast and subtraction gave Q4_0 and Q8_0
-    // +8% at 512 rows (alternated A/B, same bits), where two chains a row (the add kept) gave less.
-    const int64_t first = QuantizedActivations::grouped(m0, b, k);  // rows m0.. follow it
+    // Many rows: 8 at a time (block_sums), each finished into its sums in L1.
+    const int64_t first = a.grouped(m0, b, k);  // rows m0.. follow it
     const QuantizedActivations::Grouped* gx = a.by_block.data() + first;
     const int8_t* gq = a.q_by_block.data() + first * kQuantBlock;
-    auto start = [&](int64_t r) CHATAPP_INLINE {
-      return code_offset(kKind) != 0 ? _mm512_set1_epi32(gx[r].start) : _mm512_setzero_si512();
-    };
     auto finish = [&](int64_t r, __m512i s) CHATAPP_INLINE {
       float* out = acc + r * kQuantTile;
       __m512 f = _mm512_load_ps(out);
@@ -232,31 +298,13 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
       if constexpr (L.has_min) f = _mm512_fmadd_ps(mins, _mm512_set1_ps(gx[r].sum), f);
       _mm512_store_ps(out, f);
     };
-    int64_t r = 0;
-    __m512i p0 = _mm512_setzero_si512(), p1 = p0;  // the previous pair's sums, finished after this pair's dots
-    for (; r + 1 < count; r += 2) {
-      const int8_t *x0 = gq + r * kQuantBlock, *x1 = x0 + kQuantBlock;
-      __m512i s0 = start(r), s1 = start(r + 1);
-      for (int j = 0; j < 8; ++j) {
-        s0 = dot_broadcast4(s0, w[j], x0 + 4 * (j % 4) + 16 * (j / 4));
-        s1 = dot_broadcast4(s1, w[j], x1 + 4 * (j % 4) + 16 * (j / 4));
-      }
-      if (r > 0) {
-        finish(r - 2, p0);
-        finish(r - 1, p1);
-      }
-      p0 = s0;
-      p1 = s1;
-    }
-    if (r > 0) {
-      finish(r - 2, p0);
-      finish(r - 1, p1);
-    }
-    if (r < count) {
-      __m512i s0 = start(r);
-      for (int j = 0; j < 8; ++j) s0 = dot_broadcast4(s0, w[j], gq + r * kQuantBlock + 4 * (j % 4) + 16 * (j / 4));
-      finish(r, s0);
-    }
+    auto group = [&](auto size, int64_t r0) CHATAPP_INLINE {
+      constexpr int kG = decltype(size)::value;
+      __m512i sums[kG];
+      block_sums<kKind, kG>(w, gx + r0, gq + r0 * kQuantBlock, sums);
+      for (int i = 0; i < kG; ++i) finish(r0 + i, sums[i]);
+    };
+    for_row_groups(count, group);
   };
   walk_tiles<TileOut512, kRows, L.tile_bytes, false>(packed, blocks, t0, t1, rows, kAhead, acc, y, n_out, bias, block);
 }

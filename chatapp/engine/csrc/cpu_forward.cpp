@@ -27,8 +27,6 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int64_t kRowGrain = 64;  // rows per parallel chunk: waking the second thread costs more than a few rows
-
 // out[r] = x[r] * (1 / sqrt(mean(x[r]^2) + eps)) * w, as Hugging Face orders it.
 void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
   const float inv = 1.f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
@@ -47,7 +45,7 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& w,
   const int64_t y_stride = y.defined() ? y.stride(0) : 0;
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, chatapp::row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = xp + r * n;
       if (yp) {
@@ -77,22 +75,33 @@ void rms_norm_heads(at::Tensor& qkv, int64_t first, int64_t count, int64_t d, co
 }
 
 // Rotate heads [0, heads) of each row in place: x * cos + roll(x, r/2) * signed_sin over the first r
-// dimensions, r the tables' width (rope.py; Phi-4-mini rotates 3/4 of each head), the rest untouched.
+// dimensions, r the tables' width (rope.py; Phi-4-mini rotates 3/4 of each head), the rest untouched. The
+// rolled halves are read from a copy of the head; each value is the scalar loop's two products and sum.
 void rope(at::Tensor& qkv, int64_t heads, int64_t d, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t rows = qkv.size(0), stride = qkv.stride(0), r = cos.size(-1), half = r / 2;
   TORCH_CHECK(r <= d && r % 2 == 0 && cos.is_contiguous() && sin.is_contiguous(), "rope tables must be [T, <= D]");
   float* base = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> rolled(r);
+  chatapp::parallel_for(0, rows, chatapp::row_grain(heads * d), [&](int64_t begin, int64_t end) {
+    std::vector<float> head(r);
     for (int64_t row = begin; row < end; ++row) {
       const float* c = cp + row * r;
       const float* s = sp + row * r;
       for (int64_t h = 0; h < heads; ++h) {
         float* x = base + row * stride + h * d;
-        for (int64_t i = 0; i < r; ++i) rolled[i] = x[(i + r - half) % r];
-        for (int64_t i = 0; i < r; ++i) x[i] = x[i] * c[i] + rolled[i] * s[i];
+        std::copy(x, x + r, head.data());
+        const float* lo = head.data();
+        const float* hi = head.data() + half;
+        int64_t i = 0;  // x[i] for i < half pairs with x[i + half], and x[half + i] with x[i]
+        for (; i + kLanes <= half; i += kLanes) {
+          store(x + i, load(lo + i) * load(c + i) + load(hi + i) * load(s + i));
+          store(x + half + i, load(hi + i) * load(c + half + i) + load(lo + i) * load(s + half + i));
+        }
+        for (; i < half; ++i) {
+          x[i] = lo[i] * c[i] + hi[i] * s[i];
+          x[half + i] = hi[i] * c[half + i] + lo[i] * s[half + i];
+        }
       }
     }
   });
@@ -140,7 +149,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, chatapp::row_grain(inter), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gp + r * stride;
       const float* u = g + inter;
@@ -204,7 +213,7 @@ struct Linear {
     const float* xp = x.data_ptr<float>();
     float* bp = buf.data_ptr<float>() + k;  // row 1 on
     // Prologue: each row's absmax (outlier channels excluded), the row scaled to [-1, 1].
-    chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    chatapp::parallel_for(0, rows, chatapp::row_grain(k), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const float* xr = xp + r * x_stride;
         float* br = bp + r * k;
@@ -226,7 +235,7 @@ struct Linear {
     float* yp = y.data_ptr<float>() + n;  // row 1 on
     const float* biasp = bias.defined() ? bias.data_ptr<float>() : nullptr;
     // Epilogue: undo the row scale, add the float outlier channels (in order) and the bias.
-    chatapp::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    chatapp::parallel_for(0, rows, chatapp::row_grain(n), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         float* yr = yp + r * n;
         const float m = row_max[r];

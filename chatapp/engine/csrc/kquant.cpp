@@ -61,7 +61,9 @@ struct SuperBlockActivations {
   // The codes again, for the batched VNNI loop, in the order it reads them: [rows / kChunkRows][K / 32 groups]
   // [kChunkRows][32]. It takes one group of inputs for 32 rows in turn; in q those sit K bytes apart, a
   // stride the prefetchers miss (measured: 6-18% slower than codes in L1), here they are one 1 KB run.
+  // chunk: kChunkRows, or the batch's rows when fewer (a decode batch's copy dense, as block_quant.cpp's).
   static constexpr int64_t kChunkRows = 32;
+  int64_t chunk = kChunkRows;
   std::vector<int8_t> by_group;
 
   void resize(int64_t rows, int64_t k) {
@@ -73,9 +75,7 @@ struct SuperBlockActivations {
   }
 
   // Where row r's codes of group g (inputs 32g..32g+31) start in by_group.
-  static int64_t grouped(int64_t r, int64_t g, int64_t k) {
-    return ((r / kChunkRows * (k / 32) + g) * kChunkRows + r % kChunkRows) * 32;
-  }
+  int64_t grouped(int64_t r, int64_t g, int64_t k) const { return ((r / chunk * (k / 32) + g) * chunk + r % chunk) * 32; }
 };
 
 // Two int32 sums as the low and high int16 of one int32 (each must fit: sums of at most 32 codes do).
@@ -124,17 +124,17 @@ void quantize_superblock_rows(const at::Tensor& x, SuperBlockActivations& a, boo
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0);
   a.resize(rows, k);
   const float* xp = x.data_ptr<float>();
-  chatapp::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  chatapp::parallel_for(0, rows, chatapp::row_grain(k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row_superblocks(xp + r * stride, k, a.q.data() + r * k, a.scale.data() + r * (k / kSuperBlock),
                                a.sum16.data() + r * (k / 16), a.pair32.data() + r * (k / 64),
                                a.q6_start.data() + r * (k / 16));
   });
   if (regroup && rows > 1) {  // one-row loops read q
-    const int64_t chunks = (rows + SuperBlockActivations::kChunkRows - 1) / SuperBlockActivations::kChunkRows;
-    if (a.by_group.size() < static_cast<size_t>(chunks * SuperBlockActivations::kChunkRows * k))
-      a.by_group.resize(chunks * SuperBlockActivations::kChunkRows * k);
-    chatapp::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    a.chunk = std::min(rows, SuperBlockActivations::kChunkRows);
+    const int64_t chunks = (rows + a.chunk - 1) / a.chunk;
+    if (a.by_group.size() < static_cast<size_t>(chunks * a.chunk * k)) a.by_group.resize(chunks * a.chunk * k);
+    chatapp::parallel_for(0, rows, chatapp::row_grain(k), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t g = 0; g < k / 32; ++g) std::memcpy(a.by_group.data() + a.grouped(r, g, k), a.q.data() + r * k + 32 * g, 32);
     });
@@ -271,21 +271,6 @@ CHATAPP_INLINE inline __m512 q6k_group(const __m512i w[8], __m512 fsc0, __m512 f
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), fsc1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), fsc0, fsum));
 }
 
-// Two rows' group dots at once, for the batched loop (Q4_K, Q5_K): each row's 8 dots as one chain (one
-// scale for the group's 32 inputs), the two rows' chains interleaved to hide the dots' latency. Why: the
-// 512-bit dots share two vector ports with every other vector instruction, so the add joining two chains is
-// ~1/12 of a row's work.
-CHATAPP_INLINE inline void group_dot2(const __m512i w[8], const int8_t* x0, const int8_t* x1, __m512i& dot0,
-                                      __m512i& dot1) {
-  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-  for (int j = 0; j < 8; ++j) {
-    s0 = dot_broadcast4(s0, w[j], x0 + 4 * (j % 4) + 16 * (j / 4));
-    s1 = dot_broadcast4(s1, w[j], x1 + 4 * (j % 4) + 16 * (j / 4));
-  }
-  dot0 = s0;
-  dot1 = s1;
-}
-
 // The per-super-block factors that multiply SuperBlockActivations' pair sums in word dots (vpdpwssd), lane c
 // holding channel c's two int16s: the minimums of groups 2p and 2p+1 (Q4_K, Q5_K; Q6_K has none, its
 // codes' offset is taken off where each sub-block's chain starts, q6_start).
@@ -411,11 +396,27 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
       if constexpr (kKind == kKindQ6K) {
         const __m512 fsc0 = _mm512_cvtepi32_ps(sc0), fsc1 = _mm512_cvtepi32_ps(sc1);
         const int32_t* q6 = a.q6_start.data() + m0 * (k / 16) + b * 16 + 2 * g;
-        for (int64_t r = 0; r < count; ++r) {
-          float* fs = fsum + r * kQuantTile;
-          const __m512 sum = first ? _mm512_setzero_ps() : _mm512_load_ps(fs);
-          _mm512_store_ps(fs, q6k_group(w, fsc0, fsc1, xq + 32 * r, q6 + r * (k / 16), sum));
-        }
+        // q6k_group for kG rows at once: each row's two sub-block chains, the rows side by side.
+        auto rows = [&](auto size, int64_t r0) CHATAPP_INLINE {
+          constexpr int kG = decltype(size)::value;
+          __m512i c0[kG], c1[kG];
+          for (int r = 0; r < kG; ++r) {
+            c0[r] = _mm512_set1_epi32(q6[(r0 + r) * (k / 16)]);
+            c1[r] = _mm512_set1_epi32(q6[(r0 + r) * (k / 16) + 1]);
+          }
+          for (int j = 0; j < 4; ++j)
+            for (int r = 0; r < kG; ++r) {
+              c0[r] = dot_broadcast4(c0[r], w[j], xq + 32 * (r0 + r) + 4 * j);
+              c1[r] = dot_broadcast4(c1[r], w[4 + j], xq + 32 * (r0 + r) + 16 + 4 * j);
+            }
+          for (int r = 0; r < kG; ++r) {
+            float* fs = fsum + (r0 + r) * kQuantTile;
+            const __m512 sum = first ? _mm512_setzero_ps() : _mm512_load_ps(fs);
+            _mm512_store_ps(fs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1[r]), fsc1,
+                                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0[r]), fsc0, sum)));
+          }
+        };
+        for_row_groups<4>(count, rows);  // two chains a row: 8 rows side by side were no faster
       } else {
         const __m512 fsc = _mm512_cvtepi32_ps(sc0);
         auto add = [&](int64_t r, __m512i dot) CHATAPP_INLINE {
@@ -423,14 +424,14 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
           const __m512 sum = first ? _mm512_setzero_ps() : _mm512_load_ps(fs);
           _mm512_store_ps(fs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), fsc, sum));
         };
-        int64_t r = 0;
-        for (; r + 1 < count; r += 2) {
-          __m512i dot0, dot1;
-          group_dot2(w, xq + 32 * r, xq + 32 * (r + 1), dot0, dot1);
-          add(r, dot0);
-          add(r + 1, dot1);
-        }
-        if (r < count) add(r, _mm512_add_epi32(dot_chain(w, xq + 32 * r), dot_chain(w + 4, xq + 32 * r + 16)));
+        auto rows = [&](auto size, int64_t r0) CHATAPP_INLINE {
+          constexpr int kG = decltype(size)::value;
+          __m512i dots[kG];
+          for (int r = 0; r < kG; ++r) dots[r] = _mm512_setzero_si512();
+          dots_side_by_side<kG>(w, xq + 32 * r0, dots);
+          for (int r = 0; r < kG; ++r) add(r0 + r, dots[r]);
+        };
+        for_row_groups(count, rows);
       }
     };
     add_group(0, true);
