@@ -183,7 +183,7 @@ async def test_tui_and_its_api_port_restart_one_engine_whoever_asks_first(tiny_m
         return [
             p.pid
             for p in psutil.process_iter(["cmdline"])
-            if "chatapp.engine.process" in " ".join(p.info["cmdline"] or [])
+            if "chatapp.engine.launch" in " ".join(p.info["cmdline"] or [])
             and str(runtime) in " ".join(p.info["cmdline"] or [])
         ]
 

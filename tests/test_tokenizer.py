@@ -5,16 +5,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from chatapp.engine import launch
+from chatapp.engine import tokenizer as tokenizer_module
 from chatapp.engine.tokenizer import (
     ChatFormatError,
     TextTokenizer,
     Tokenizer,
+    gguf_tokenizer_cache,
     load_hf_tokenizer,
     prepare_tokenizer_files,
+    start_tokenizer_build,
 )
 from chatapp.store import bundled_gguf_path
 
@@ -118,6 +124,72 @@ def test_a_client_tokenizer_imports_neither_torch_nor_transformers() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _no_second_build(path: Path, cache: Path) -> None:
+    raise AssertionError(f"{path}'s tokenizer files were built a second time")
+
+
+def test_the_engine_launch_builds_a_gguf_tokenizer_in_a_process_of_its_own(tmp_path: Path, monkeypatch) -> None:
+    """launch.py starts the build before the engine imports torch; the loader then finds the files."""
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = bundled_gguf_path()
+    cache = gguf_tokenizer_cache(gguf)
+    before = set(tokenizer_module._builders)
+    launch._start_tokenizer_build(["--config", json.dumps({"model": str(gguf)}), "--runtime-dir", str(tmp_path)])
+    started = [b for b in tokenizer_module._builders if b not in before]
+    assert len(started) == 1, "the launch started no build"
+    assert started[0].wait(timeout=300) == 0
+    assert (cache / "tokenizer.json").exists() and (cache / "tokenizer_config.json").exists()
+    build = tokenizer_module._build_tokenizer_files
+    monkeypatch.setattr(tokenizer_module, "_build_tokenizer_files", _no_second_build)
+    assert prepare_tokenizer_files(gguf) == cache  # the loader's call: found, not built again
+    assert start_tokenizer_build(gguf) is None  # nothing left to build
+    # That process read the metadata through our reader (no torch); the files are the ones this process
+    # builds through transformers' own reader, byte for byte.
+    monkeypatch.setattr(tokenizer_module, "_build_tokenizer_files", build)
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "in-process"))
+    here = prepare_tokenizer_files(gguf)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (cache / name).read_bytes() == (here / name).read_bytes(), name
+
+
+def test_a_tokenizer_build_waits_for_the_one_under_way(tmp_path: Path, monkeypatch) -> None:
+    """The loader's prepare_tokenizer_files waits for another process's build (the lock), then uses its files."""
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = bundled_gguf_path()
+    cache = gguf_tokenizer_cache(gguf)
+    build = tokenizer_module._build_tokenizer_files
+    holding, release = threading.Event(), threading.Event()
+
+    def the_other_build() -> None:  # as the early build does, holding the lock until it is done
+        with tokenizer_module._build_lock(cache):
+            holding.set()
+            release.wait(60)
+            build(gguf, cache)
+
+    results: list[object] = []
+    other = threading.Thread(target=the_other_build)
+    other.start()
+    assert holding.wait(60)
+    monkeypatch.setattr(tokenizer_module, "_build_tokenizer_files", _no_second_build)
+
+    def loader() -> None:
+        try:
+            results.append(prepare_tokenizer_files(gguf))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            results.append(exc)
+
+    waiting = threading.Thread(target=loader)
+    waiting.start()
+    try:
+        time.sleep(0.5)  # without the lock, the loader would have found no files and built them by now
+        assert results == [], results
+    finally:
+        release.set()
+        other.join(120)
+        waiting.join(120)
+    assert results == [cache]
 
 
 def test_render_chat_matches_transformers_ids(pair) -> None:

@@ -25,7 +25,7 @@ moves token ids, and stop strings are found here (then aborted in the engine).
 Why not multiprocessing: the engine is shared and must outlive the client that
 started it, but multiprocessing's exit handler joins (or, for daemons, kills)
 its children when the parent exits. The engine is started instead with
-``subprocess.Popen([sys.executable, "-m", "chatapp.engine.process", ...])``:
+``subprocess.Popen([sys.executable, "-m", "chatapp.engine.launch", ...])``:
 a fresh interpreter like the ``spawn`` method, in its own session (a Ctrl-C in
 the terminal does not reach it), which no exit handler owns. It exits by
 itself when its last client leaves.
@@ -613,7 +613,7 @@ class AsyncEngineClient:
                 [
                     sys.executable,
                     "-m",
-                    "chatapp.engine.process",
+                    "chatapp.engine.launch",
                     "--config",
                     ipc.config_to_json(self.config),
                     "--runtime-dir",

@@ -1,7 +1,8 @@
 """The background engine process: one EngineCore shared by every attached client.
 
-Started by a client as ``python -m chatapp.engine.process`` (a fresh
-interpreter in its own session: see client.py for why not multiprocessing).
+Started by a client as ``python -m chatapp.engine.launch`` (a fresh
+interpreter in its own session: see client.py for why not multiprocessing;
+launch.py starts what can run beside this module's imports, then calls main).
 It binds a ROUTER socket in the private runtime directory, writes the
 discovery record, loads the model in a helper thread while it already answers
 clients (so they can show progress), then runs the busy loop:

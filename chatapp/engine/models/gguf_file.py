@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,40 @@ class _HeaderReader:
 
 
 _SKIPPED = object()  # a long array left unread
+
+
+def read_tokenizer_metadata(path: Path | str, string_arrays: Container[str] = ()) -> dict[str, Any]:
+    """A GGUF file's metadata fields as transformers' GGUF reader returns them: arrays of numbers in
+    full, arrays of strings as their length unless named in `string_arrays` (the vocabulary and merges,
+    read in full). Why: transformers' reader module imports torch (~1 s), which the process that only
+    builds a file's tokenizer (tokenizer.py) does without."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        r = _HeaderReader(buf)
+        if r.take("<I") != 0x46554747:  # "GGUF"
+            raise GGUFError("no GGUF magic number")
+        if r.take("<I") not in (2, 3):
+            raise GGUFError("a GGUF version this reader does not handle")
+        r.take("<Q")  # tensors: not needed here
+        fields: dict[str, Any] = {}
+        for _ in range(r.take("<Q")):
+            key = r.string()
+            kind = r.take("<I")
+            if kind != _ARRAY:
+                fields[key] = r.value(kind)
+                continue
+            item, count = r.take("<I"), r.take("<Q")
+            if item in _SCALARS:
+                fmt = _SCALARS[item]
+                fields[key] = list(struct.unpack_from(f"<{count}{fmt[1:]}", buf, r.pos))
+                r.pos += struct.calcsize(fmt) * count
+            elif item == _STRING and key in string_arrays:
+                fields[key] = [r.string() for _ in range(count)]
+            elif item == _STRING:
+                r._skip_array(item, count)
+                fields[key] = count
+            else:
+                raise GGUFError(f"metadata field {key} is an array of type {item}, which this reader does not read")
+        return fields
 
 
 class GGUFModelFile:

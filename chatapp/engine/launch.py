@@ -1,0 +1,41 @@
+"""The engine process's entry point (``python -m chatapp.engine.launch``, started by client.py): work that
+can begin before the engine's own imports, then the engine (process.py).
+
+Why: importing the engine (torch above all) takes ~1.3 s on one core. A GGUF model's first start also
+builds its tokenizer files (~1.7 s of transformers), which used to begin only after the weights had
+loaded; started here, in a process of its own, the build runs on another core while this one imports.
+This module imports nothing heavy before handing over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _start_tokenizer_build(argv)
+    from chatapp.engine.process import main as run_engine
+
+    return run_engine(argv)
+
+
+def _start_tokenizer_build(argv: list[str]) -> None:
+    """Start building the default model's tokenizer files when it is a GGUF file without them."""
+    from chatapp.engine.model_ref import resolve_model_spec
+    from chatapp.engine.tokenizer import start_tokenizer_build
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", default="{}")
+    known, _ = parser.parse_known_args(argv)
+    try:
+        model = json.loads(known.config).get("model")
+        start_tokenizer_build(resolve_model_spec(model).path)
+    except Exception:  # a bad model or config is the engine's to report, as it loads it
+        return
+
+
+if __name__ == "__main__":
+    sys.exit(main())
