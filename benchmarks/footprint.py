@@ -106,10 +106,11 @@ def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool, cw
 
 _TUI_CHILD = """
 import asyncio, os, sys, tempfile, time
+from pathlib import Path
 from chatapp.tui.app import ChatApp
 async def main():
-    d = tempfile.mkdtemp()
-    app = ChatApp(settings_path=os.path.join(d, "s.toml"), history_path=os.path.join(d, "h.db"))
+    d = Path(tempfile.mkdtemp())
+    app = ChatApp(settings_path=d / "s.toml", history_path=d / "h.db")
     async with app.run_test() as pilot:
         await pilot.press("h", "i")  # typing works
         print("mounted", time.time(), flush=True)
