@@ -253,15 +253,8 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
         w[j] = _mm512_and_si512(v, low4);
         w[j + 4] = _mm512_andnot_si512(low4, v);
       }
-    } else if constexpr (nibble_codes(kKind)) {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * j);
-        w[j] = _mm512_and_si512(v, low4);
-        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
-      if constexpr (five_bit(kKind)) or_fifth_bits(w, _mm512_loadu_si512(blk + kFifthBits));
     } else {
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
+      unpack_block<kKind>(blk, w);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.scale_offset)));
     __m512 mins = _mm512_setzero_ps();
