@@ -92,6 +92,15 @@ class _HeaderReader:
             raise GGUFError(f"unknown metadata value type {kind}")
         return self.take(fmt)
 
+    def preamble(self) -> tuple[int, int]:
+        """The magic number and version checked: (tensor count, metadata field count)."""
+        if self.take("<I") != 0x46554747:  # "GGUF"
+            raise GGUFError("no GGUF magic number")
+        version = self.take("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"GGUF version {version} is not supported")
+        return self.take("<Q"), self.take("<Q")
+
     def _skip_array(self, item: int, count: int) -> None:
         if item in _SCALARS:
             self.pos += struct.calcsize(_SCALARS[item]) * count
@@ -120,13 +129,9 @@ def read_tokenizer_metadata(path: Path | str, string_arrays: Container[str] = ()
     builds a file's tokenizer (tokenizer.py) does without."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         r = _HeaderReader(buf)
-        if r.take("<I") != 0x46554747:  # "GGUF"
-            raise GGUFError("no GGUF magic number")
-        if r.take("<I") not in (2, 3):
-            raise GGUFError("a GGUF version this reader does not handle")
-        r.take("<Q")  # tensors: not needed here
+        _, num_fields = r.preamble()
         fields: dict[str, Any] = {}
-        for _ in range(r.take("<Q")):
+        for _ in range(num_fields):
             key = r.string()
             kind = r.take("<I")
             if kind != _ARRAY:
@@ -192,12 +197,7 @@ class GGUFModelFile:
 
     def _read_header(self) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]], int]:
         r = _HeaderReader(self._mmap)
-        if r.take("<I") != 0x46554747:  # "GGUF"
-            raise GGUFError("no GGUF magic number")
-        version = r.take("<I")
-        if version not in (2, 3):
-            raise GGUFError(f"GGUF version {version} is not supported")
-        num_tensors, num_fields = r.take("<Q"), r.take("<Q")
+        num_tensors, num_fields = r.preamble()
         fields: dict[str, Any] = {}
         for _ in range(num_fields):
             key = r.string()
