@@ -125,7 +125,7 @@ def test_config_accepts_int4_on_the_cpu_only(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.fixture(scope="module")
 def bundled() -> tuple[LLM, LLM]:
-    return LLM(quantization=None, kv_cache_memory_gib=0.1), LLM(kv_cache_memory_gib=0.1)
+    return LLM(quantization=None, kv_cache_memory_gib=0.1), LLM(kv_cache_memory_gib=0.1, runner="torch")
 
 
 def test_auto_keeps_the_bundled_gguf_weights_exactly(bundled: tuple[LLM, LLM]) -> None:

@@ -222,7 +222,7 @@ def test_a_gguf_file_runs_in_its_own_types_close_to_its_float_model(gguf_dir: Pa
 
 def test_q4_k_m_keeps_every_tensor_in_its_own_type(gguf_dir: Path) -> None:
     path = write_llama_gguf(gguf_dir / "tiny-mixed.gguf", mix="Q4_K_M", seed=3)
-    model = LLM(str(path), kv_cache_memory_gib=0.02).core.runner.model
+    model = LLM(str(path), kv_cache_memory_gib=0.02, runner="torch").core.runner.model
     layer0, layer1 = model.layers[0], model.layers[1]
     assert layer0.self_attn.qkv_proj.kinds == (104, 106)  # q and k in Q4_K as one part, v in Q6_K
     assert layer1.self_attn.qkv_proj.kinds == (104,)
@@ -348,20 +348,22 @@ def test_float_tensors_run_dequantised_and_match_the_float_model(gguf_dir: Path)
     """F16 tensors (no kernel of ours takes them) become float32 layers of the same values: the
     file still loads in its own types ("gguf"), and answers exactly as the float model does."""
     path = write_llama_gguf(gguf_dir / "tiny-F16.gguf", mix="F16", embed_type="Q8_0", seed=4)
-    native = LLM(str(path), kv_cache_memory_gib=0.02)
+    native = LLM(str(path), kv_cache_memory_gib=0.02, runner="torch")
     exact = LLM(str(path), kv_cache_memory_gib=0.02, quantization=None)
     assert native.config.quantization == "gguf"
     qkv = native.core.runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, torch.nn.Linear) and qkv.weight.dtype == torch.float32
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    assert [o.outputs[0].token_ids for o in native.generate(PROMPTS, params)] == [
-        o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)
-    ]
+    expected = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in native.generate(PROMPTS, params)] == expected
+    torch_free = LLM(str(path), kv_cache_memory_gib=0.02)  # the array runner's float32 layers
+    assert [o.outputs[0].token_ids for o in torch_free.generate(PROMPTS, params)] == expected
 
 
 def test_a_model_that_cannot_fit_is_refused_before_loading(gguf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
 
+    from chatapp.engine import array_runner
     from chatapp.engine.model_runner import ModelTooLargeError
     from chatapp.engine.models import gguf_loader
 
@@ -370,6 +372,7 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(gguf_dir: Path, monke
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=100 * 2**20))
     loads: list[str] = []
     monkeypatch.setattr(gguf_loader, "load_gguf_native", lambda *a, **k: loads.append("loaded"))
+    monkeypatch.setattr(array_runner, "load_array_model", lambda *a, **k: loads.append("loaded"))
     with pytest.raises(
         ModelTooLargeError,
         match=r"needs about 0\.5\d GiB of memory \(weights 0\.0\d GiB \+ KV cache "
@@ -384,7 +387,7 @@ def test_native_weight_estimate_is_what_loading_holds(gguf_dir: Path) -> None:
     from chatapp.engine.models.gguf_loader import native_weight_bytes
 
     path = write_llama_gguf(gguf_dir / "tiny-estimate.gguf", mix="Q4_K_M", seed=8)
-    model = LLM(str(path), kv_cache_memory_gib=0.02).core.runner.model
+    model = LLM(str(path), kv_cache_memory_gib=0.02, runner="torch").core.runner.model
     held = sum(p.packed.numel() for m in model.modules() if isinstance(m, BlockQuantLinear) for p in m.parts)
     held += sum(p.numel() * 4 for p in model.parameters())
     gguf = GGUFModelFile(path)

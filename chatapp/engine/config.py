@@ -77,6 +77,10 @@ class EngineConfig:
     host's own thread, so there is nothing to hide. True turns it on anywhere (tests do on the CPU)."""
     cpu_kernels: bool = True
     """On the CPU in float32, run the model through our C++ layer loop (built on first use)."""
+    runner: str = "auto"
+    """auto: a GGUF file on the CPU with our kernels runs on the torch-free runner (array_runner.py:
+    the engine starts ~1 s sooner, without importing torch), everything else on the torch runner
+    (model_runner.py); "array" insists on the first (an error says why it cannot), "torch" on the second."""
     quantization: str | None = "auto"
     """auto, "gguf", "int4", "int8" or None. On the CPU, auto runs a GGUF file's weights in their own
     types ("gguf": Q4_0 ... Q8_0, Q4_K, Q5_K, Q6_K kept exactly, csrc/gguf_repack.cpp), a safetensors
@@ -136,6 +140,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be auto, gguf, int4, int8 or None, got {quantization!r}")
         if quantization in ("gguf", "int4", "int8") and device != "cpu":
             raise ValueError(f"quantization={quantization!r} runs on the CPU only (our CPU kernels)")
+        if self.runner not in ("auto", "array", "torch"):
+            raise ValueError(f"runner must be auto, array or torch, got {self.runner!r}")
         if not self.stream_interval_ms >= 0:
             raise ValueError(f"stream_interval_ms must be 0 or more, got {self.stream_interval_ms}")
         for name, value in (
@@ -161,6 +167,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             attention_backend=backend,
             cpu_kernels=self.cpu_kernels,
+            runner=self.runner,
             cuda_graphs=self.cuda_graphs and on_gpu,
             overlap_steps=on_gpu if self.overlap_steps is None else self.overlap_steps,
             quantization=quantization,
@@ -199,6 +206,8 @@ class ResolvedConfig:
     attention_backend: str
     """torch or triton."""
     cpu_kernels: bool
+    runner: str
+    """auto, array or torch (EngineConfig.runner)."""
     cuda_graphs: bool
     overlap_steps: bool
     quantization: str | None
@@ -226,23 +235,42 @@ class ResolvedConfig:
 
 
 def _resolve_device(device: str) -> str:
-    import torch
-
     if device == "auto":
+        if _no_gpu_here():
+            return "cpu"
+        import torch
+
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    import torch
+
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA GPU is available")
     return device
 
 
-def _resolve_dtype(dtype: str, device: str, checkpoint_dtype: torch.dtype | None) -> str:
-    import torch
+def _no_gpu_here() -> bool:
+    """True where torch could not see a GPU, told without importing it (~1.1 s, which the torch-free
+    CPU runner saves): a CPU-only torch build, or, on Linux, no NVIDIA, AMD or WSL GPU device node."""
+    import importlib.metadata
+    import sys
 
+    try:
+        if "+cpu" in importlib.metadata.version("torch"):
+            return True
+    except importlib.metadata.PackageNotFoundError:
+        return False  # let the import say what is wrong
+    nodes = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+    return sys.platform == "linux" and not any(os.path.exists(node) for node in nodes)
+
+
+def _resolve_dtype(dtype: str, device: str, checkpoint_dtype: torch.dtype | None) -> str:
     if dtype == "auto":
         if device == "cpu":
             return "float32"
+        import torch
+
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return "float16" if checkpoint_dtype == torch.float16 else "bfloat16"
         return "bfloat16"

@@ -20,21 +20,26 @@ import logging
 import time
 from collections import deque
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
 
 from chatapp.engine.api import EngineBusyError, EngineStats, context_length_error  # noqa: F401  (re-exported)
 from chatapp.engine.config import EngineConfig, ResolvedConfig
 from chatapp.engine.guided import GrammarWorker, GuidedDecodingError
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_ref import ModelRef, resolve_model_spec
-from chatapp.engine.model_runner import LaunchedStep, ModelRunner
 from chatapp.engine.models.config import ModelConfig
-from chatapp.engine.models.source import open_model
+from chatapp.engine.models.source import ModelSource, open_model
 from chatapp.engine.outputs import EngineCoreOutput, FinishReason
 from chatapp.engine.request import Request, RequestStatus
-from chatapp.engine.sampler import samples_without_history
 from chatapp.engine.sampling_params import SamplingParams
+from chatapp.engine.sampling_rules import samples_without_history
 from chatapp.engine.scheduler import ScheduledBatch, Scheduler
+
+if TYPE_CHECKING:
+    from chatapp.engine.array_runner import ArrayRunner
+    from chatapp.engine.model_runner import LaunchedStep, ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +54,7 @@ class EngineCore:
         self.model_config: ModelConfig = source.config
         mc = self.model_config
         resolved = config.finalize(checkpoint_dtype=mc.checkpoint_dtype, model_max_len=mc.max_position_embeddings)
-        self.runner = ModelRunner(resolved, source)
+        self.runner = runner_for(resolved, source)
         # The runner's decisions, folded in once: the quantization it applied (for "auto"), the pool it
         # sized, and the context capped at the pool (a request must always fit the pool on its own).
         self.config: ResolvedConfig = dataclasses.replace(
@@ -214,7 +219,8 @@ class EngineCore:
 
     def _overlapped_step(self, batch: ScheduledBatch, step_start: float) -> list[EngineCoreOutput]:
         """Launch this step, then apply the one in flight while the device computes this one."""
-        launched = self.runner.launch_decode(batch, self._block_ids(batch), self._in_flight)
+        runner = cast("ModelRunner", self.runner)  # overlap_steps rules out the array runner (array_extension)
+        launched = runner.launch_decode(batch, self._block_ids(batch), self._in_flight)
         outputs = self._read_in_flight() if self._in_flight is not None else []
         self.scheduler.apply_computed(batch)  # leaves alone the requests the read-back just stopped
         for req in launched.requests:
@@ -247,8 +253,6 @@ class EngineCore:
         (and never cached) right after. Raises EngineBusyError when the pool
         cannot lend enough blocks now, ValueError for an invalid prompt.
         """
-        import torch
-
         vectors = []
         for i, ids in enumerate(prompts):
             error = self._validate(f"embedding-{i}", ids, SamplingParams(max_tokens=1))
@@ -269,8 +273,7 @@ class EngineCore:
                 hidden = self.runner.hidden_states(batch, {req.request_id: self.kv.block_ids(req.request_id)})[0]
             finally:
                 self.kv.free(req.request_id)
-            pooled = torch.nn.functional.normalize(hidden.float().mean(dim=0), dim=0)
-            vectors.append(pooled.tolist())
+            vectors.append(_unit_mean(hidden if isinstance(hidden, np.ndarray) else hidden.float().cpu().numpy()))
         return vectors
 
     # -- introspection ------------------------------------------------------
@@ -297,3 +300,22 @@ class EngineCore:
             forward_seconds_total=self.forward_seconds_total,
             step_seconds_total=self.step_seconds_total,
         )
+
+
+def runner_for(config: ResolvedConfig, source: ModelSource) -> ModelRunner | ArrayRunner:
+    """The torch-free CPU runner where it applies (config.runner says), else the torch one."""
+    from chatapp.engine.array_runner import ArrayRunner, array_extension
+
+    ext = array_extension(config, source)
+    if ext is not None:
+        return ArrayRunner(config, source, ext)
+    from chatapp.engine.model_runner import ModelRunner
+
+    return ModelRunner(config, source)
+
+
+def _unit_mean(hidden: np.ndarray) -> list[float]:
+    """An embedding: the mean over tokens scaled to unit length (torch's normalize, eps 1e-12)."""
+    mean = hidden.astype(np.float32, copy=False).mean(axis=0)
+    unit: list[float] = (mean / max(float(np.linalg.norm(mean)), 1e-12)).tolist()
+    return unit

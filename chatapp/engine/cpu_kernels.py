@@ -9,10 +9,12 @@ same results more slowly.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import logging
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -31,9 +33,7 @@ def load() -> ModuleType | None:
     if os.environ.get("CHATAPP_NO_CPU_KERNELS") == "1":
         return None
     try:
-        import torch
-
-        key = kernel_build.build_key(torch.__version__)
+        key = kernel_build.build_key(kernel_build.torch_version())
         prebuilt = _prebuilt(key)
         if prebuilt is not None:
             return prebuilt
@@ -82,9 +82,26 @@ def _cache_build_dir(key: str) -> Path:
     return paths.cache_dir() / "torch_extensions" / f"cpu_kernels_{key}"
 
 
-def _import_built(name: str, path: Path) -> ModuleType:
-    import torch  # noqa: F401  the extension links against torch's libraries, loaded first
+# What the extension links against, in load order (libtorch_python only for the torch-tensor arguments
+# of the torch path; loading it does not start torch's Python module).
+_TORCH_LIBRARIES = ("libc10.so", "libtorch_cpu.so", "libtorch_python.so")
 
+
+def _load_torch_libraries() -> None:
+    """Load torch's C++ libraries, not its Python module: the torch-free CPU path (array_runner.py)
+    calls the extension with numpy arrays, and `import torch` would cost ~1.1 s of the engine's start."""
+    if "torch" in sys.modules:
+        return
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise ImportError("torch is not installed")
+    lib = Path(spec.origin).parent / "lib"
+    for name in _TORCH_LIBRARIES:
+        ctypes.CDLL(str(lib / name), mode=os.RTLD_GLOBAL)
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    _load_torch_libraries()
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")

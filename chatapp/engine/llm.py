@@ -71,8 +71,11 @@ class LLM:
         For quality checks: how closely two engines (float32, int8, a GGUF file's own types) follow
         each other on the same tokens. It runs on a scratch request, outside the scheduler.
         """
+        import numpy as np
         import torch
 
+        from chatapp.engine.array_runner import ArrayRunner
+        from chatapp.engine.model_runner import ModelRunner
         from chatapp.engine.request import Request
         from chatapp.engine.scheduler import ScheduledBatch
 
@@ -91,6 +94,10 @@ class LLM:
             hidden = core.runner.hidden_states(
                 ScheduledBatch([req], [len(token_ids)]), {req.request_id: core.kv.block_ids(req.request_id)}
             )[0]
+            if isinstance(core.runner, ArrayRunner):  # the torch-free runner (array_runner.py)
+                assert isinstance(hidden, np.ndarray)
+                return torch.from_numpy(core.runner.model.compute_logits(hidden))
+            assert isinstance(core.runner, ModelRunner) and isinstance(hidden, torch.Tensor)
             with torch.inference_mode():
                 logits: torch.Tensor = core.runner.model.compute_logits(hidden)
                 return logits

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from chatapp.engine.attention import AttentionMetadata, TorchAttentionBackend, layer_attention
-from chatapp.engine.block_quant import BLOCK, blocks_fit, pack_head, pack_layer
+from chatapp.engine.block_kinds import BLOCK
+from chatapp.engine.block_quant import blocks_fit, pack_head, pack_layer
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.llama import LlamaForCausalLM
 from chatapp.engine.quantization import CALIBRATION_TEXT, Calibration, Int8Quantizer

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import mmap
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -25,7 +24,6 @@ from chatapp.engine.config import ResolvedConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
 from chatapp.engine.cuda_graphs import DecodeGraphs, DecodeLayout, GraphInputs, capture_sizes, take_previous_tokens
 from chatapp.engine.memory import return_freed_memory
-from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.llama import LlamaForCausalLM
 from chatapp.engine.models.loader import load_model
 from chatapp.engine.models.source import ModelSource
@@ -33,28 +31,23 @@ from chatapp.engine.outputs import TokenLogprobs
 from chatapp.engine.request import Request
 from chatapp.engine.sampler import Sampler, SamplerOutput
 from chatapp.engine.scheduler import ScheduledBatch
+from chatapp.engine.step_inputs import (  # noqa: F401  (re-exported: the pool's sizing rules)
+    KV_CONTEXTS,
+    KV_SHARE_OF_FREE,
+    PROMPT_LOGPROB_ROWS,
+    WORKING_MEMORY_BYTES,
+    FlatBatch,
+    ModelTooLargeError,
+    StepResult,
+    check_fits,
+    cpu_kv_blocks,
+    cpu_threads_for,
+    flatten_batch,
+    kv_bytes_per_block,
+    untouched_zeros,
+)
 
 log = logging.getLogger(__name__)
-
-# Small steps run on one thread while another process holds a core (cpu_load.py says why): a
-# thread waiting for the scheduler stalls every parallel region of the step. On a quiet machine
-# every step uses every thread (2 cores: 200 vs 166 tok/s alone, 549 vs 370 at 16 requests), as
-# do big steps always (prompts of 512 tokens went 1.5x faster on two cores, as did a few new
-# tokens attending to a long cached conversation).
-SINGLE_THREAD_BELOW_TOKENS = 256
-SINGLE_THREAD_BELOW_ATTENTION = 32_768  # sum over requests of new tokens x context length
-
-
-# Beyond weights and KV cache: the interpreter, torch, activations of a step and the allocator's slack.
-WORKING_MEMORY_BYTES = 512 * 2**20
-
-# Prompt logprobs are scored this many prompt positions at a time (bounds the logits held at once).
-PROMPT_LOGPROB_ROWS = 256
-
-# The default KV pool (CPU): this many full contexts (several chats, or one chat and the server)...
-KV_CONTEXTS = 4
-# ...held to this share of the memory left once the weights and working memory are counted.
-KV_SHARE_OF_FREE = 0.5
 
 
 class CpuForward(Protocol):
@@ -75,35 +68,6 @@ class CpuForward(Protocol):
         block_tables: torch.Tensor,
         /,
     ) -> torch.Tensor: ...
-
-
-class ModelTooLargeError(ValueError):
-    """The model would not fit in the memory this machine has free; the message gives the figures."""
-
-
-def check_fits(weight_bytes: int, kv_bytes: int, mc: ModelConfig) -> None:
-    """Refuse to load what cannot fit, with the figures, rather than be killed half-way by the kernel."""
-    import psutil
-
-    needed = weight_bytes + kv_bytes + WORKING_MEMORY_BYTES
-    available = psutil.virtual_memory().available
-    if needed > available:
-        gib = 2**30
-        raise ModelTooLargeError(
-            f"this {mc.architecture} model needs about {needed / gib:.2f} GiB of memory (weights "
-            f"{weight_bytes / gib:.2f} GiB + KV cache {kv_bytes / gib:.2f} GiB + {WORKING_MEMORY_BYTES / gib:.2f} "
-            f"GiB working memory) but only {available / gib:.2f} GiB is available; close other programs, "
-            f"lower the KV cache (kv_cache_memory_gib), or pick a smaller or more quantised model"
-        )
-
-
-@dataclass
-class StepResult:
-    sampled_requests: list[Request]
-    sampled: SamplerOutput
-    forward_seconds: float
-    # request id -> (first prompt position, logprobs of the prompt tokens from there), where asked
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class LaunchedStep:
@@ -181,7 +145,7 @@ class ModelRunner:
     def _weight_bytes(self, source: ModelSource, ext: ModuleType | None) -> int:
         """What the loaded weights will take, to refuse a model that cannot fit before loading it."""
         if self._native_gguf(source, ext):
-            from chatapp.engine.models.gguf_loader import native_weight_bytes
+            from chatapp.engine.models.gguf_weights import native_weight_bytes
 
             assert source.gguf is not None  # checked by _native_gguf
             return native_weight_bytes(source.gguf, self.mc)
@@ -239,30 +203,14 @@ class ModelRunner:
         return model
 
     def bytes_per_block(self) -> int:
-        mc = self.mc
-        elem = torch.tensor([], dtype=self.config.torch_kv_dtype()).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return kv_bytes_per_block(self.config, self.mc)
 
     def _choose_num_blocks(self, weight_bytes: int = 0) -> int:
-        """The pool's size: forced, profiled (GPU), the user's cap, or sized to the work (CPU).
-
-        Sized to the work: KV_CONTEXTS contexts of max_model_len tokens, held to KV_SHARE_OF_FREE of
-        the memory left beside the weights (a 128k-token model gets the context that fits, which
-        EngineCore then takes as its max_model_len), and never below one block.
-        """
-        import psutil
-
+        """The pool's size: forced, profiled (GPU), else as step_inputs.cpu_kv_blocks says."""
         cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and cfg.num_kv_blocks is None:
             return self._profile_gpu_blocks()
-        per_block = self.bytes_per_block()
-        if cfg.kv_cache_memory_gib is not None:
-            return max(1, int(cfg.kv_cache_memory_gib * 2**30) // per_block)
-        wanted = KV_CONTEXTS * -(-cfg.max_model_len // self.block_size)
-        spare = psutil.virtual_memory().available - weight_bytes - WORKING_MEMORY_BYTES
-        return max(1, min(wanted, int(spare * KV_SHARE_OF_FREE) // per_block))
+        return cpu_kv_blocks(cfg, self.bytes_per_block(), weight_bytes)
 
     def _profile_gpu_blocks(self) -> int:
         """Run the worst-case steps, then give the KV pool what is left of this engine's share.
@@ -519,16 +467,9 @@ class ModelRunner:
         by_request = {r.request_id: hidden[starts[i] : starts[i + 1]] for i, r in enumerate(step.requests)}
         return [by_request[r.request_id] for r in batch.requests]
 
-    def _cpu_threads_for(self, step: _PreparedStep) -> int:
-        """Every thread, except for a small step while another process holds a core (see above)."""
-        meta = step.meta
-        attention = sum(q * s for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu))
-        small = step.input_ids.shape[0] < SINGLE_THREAD_BELOW_TOKENS and attention < SINGLE_THREAD_BELOW_ATTENTION
-        return 1 if small and not self.cpu_load.all_threads_fit() else self.config.num_threads
-
     def _forward(self, step: _PreparedStep) -> torch.Tensor:
         if self.device.type == "cpu":
-            threads = self._cpu_threads_for(step)
+            threads = cpu_threads_for(step.flat, self.cpu_load, self.config.num_threads)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
         if self.cpu_forward is None:
@@ -582,63 +523,35 @@ class ModelRunner:
         return cpu_model
 
     def _prepare(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> _PreparedStep:
-        """Flatten the batch: token ids, positions, cache slots and block tables."""
-        bs = self.block_size
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decodes first, stable
-        reqs = [batch.requests[i] for i in order]
-        q_lens = [batch.num_new_tokens[i] for i in order]
-        starts = [r.num_computed_tokens for r in reqs]
-        seq_lens = [s + q for s, q in zip(starts, q_lens)]
-        num_decodes = sum(1 for q in q_lens if q == 1)
-
-        tokens: list[int] = []
-        for r, s, q in zip(reqs, starts, q_lens):
-            tokens.extend(r.all_token_ids[s : s + q])
-        tables = [block_ids[r.request_id] for r in reqs]
-        max_blocks = max(len(t) for t in tables)
-        table_np = np.zeros((len(reqs), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table_np[i, : len(t)] = t
-        q_lens_np = np.asarray(q_lens, dtype=np.int64)
-        query_start = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(q_lens_np, out=query_start[1:])
-        req_of_token = np.repeat(np.arange(len(reqs)), q_lens_np)
-        positions = np.arange(len(tokens), dtype=np.int64) - query_start[req_of_token] + np.repeat(starts, q_lens_np)
-        slots = table_np[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        to_sample = {id(r) for r in batch.requests_to_sample()}
-        sample_rows = [i for i, r in enumerate(reqs) if id(r) in to_sample]
-        # Prompt logprobs: row p of a chunk predicts prompt token p + 1 while that is still the prompt.
-        prompt_rows = []
-        for i, (r, s, q) in enumerate(zip(reqs, starts, q_lens)):
-            end = min(s + q, r.num_prompt_tokens - 1)
-            if r.params.prompt_logprobs is not None and end > s:
-                prompt_rows.append((r, int(query_start[i]), s + 1, r.all_token_ids[s + 1 : end + 1]))
-
+        """The flattened batch (step_inputs.flatten_batch) as tensors on the model's device."""
+        flat = flatten_batch(batch, block_ids, self.block_size)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(table_np).to(dev),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes,
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
+            slot_mapping=torch.from_numpy(flat.slots).to(dev),
+            query_start_loc=torch.from_numpy(flat.query_start.astype(np.int32)).to(dev),
+            seq_lens=torch.tensor(flat.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(flat.block_tables).to(dev),
+            query_lens_cpu=flat.query_lens,
+            seq_lens_cpu=flat.seq_lens,
+            num_decodes=flat.num_decodes,
+            max_query_len=max(flat.query_lens),
+            max_seq_len=max(flat.seq_lens),
         )
         return _PreparedStep(
-            requests=reqs,
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
+            flat=flat,
+            requests=flat.requests,
+            input_ids=torch.from_numpy(flat.token_ids).to(dev),
+            positions=torch.from_numpy(flat.positions).to(dev),
             meta=meta,
-            sample_rows=sample_rows,
-            logits_indices=torch.from_numpy(query_start[1:][sample_rows] - 1).to(dev),
-            prompt_rows=prompt_rows,
+            sample_rows=flat.sample_rows,
+            logits_indices=torch.from_numpy(flat.logits_rows).to(dev),
+            prompt_rows=flat.prompt_rows,
         )
 
 
 @dataclass
 class _PreparedStep:
+    flat: FlatBatch
     requests: list[Request]  # in flattened-batch order (decodes first)
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -650,15 +563,9 @@ class _PreparedStep:
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory is committed only where it is first written.
-
-    Anonymous mappings read as zero and take no memory until a page is written, so a KV pool sized
-    for several long chats costs what the chats so far have filled, growing to its size with use
-    (torch.zeros would write, and so commit, every page at start-up).
-    """
+    """A zeroed CPU tensor whose memory is committed only where it is first written (untouched_zeros)."""
     numel = 1
     for n in shape:
         numel *= n
-    nbytes = max(numel * torch.tensor([], dtype=dtype).element_size(), 1)
-    buffer = mmap.mmap(-1, nbytes)
+    buffer = untouched_zeros(numel * torch.tensor([], dtype=dtype).element_size())
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)

@@ -13,8 +13,6 @@ import time
 from array import array
 from typing import Any
 
-import torch
-
 from chatapp.engine.outputs import FinishReason, TokenLogprobs
 from chatapp.engine.sampling_params import SamplingParams
 
@@ -78,9 +76,9 @@ class Request:
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         limit = max_model_len - self.num_prompt_tokens
         self.max_output_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        # A seeded request's own random stream, made at first use by whichever sampler runs it (a
+        # torch.Generator or a numpy Generator): this module stays free of torch.
+        self.generator: Any = None
         # Guided decoding: the llguidance matcher (set once its grammar compiled, engine side only);
         # the sampler masks this request's logits with it and each new token advances it.
         self.matcher: Any = None

@@ -9,7 +9,6 @@ the batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,14 +17,13 @@ import torch
 from chatapp.engine.outputs import TokenLogprobs
 from chatapp.engine.request import Request
 
+# SamplerOutput and samples_without_history stay importable from here (the engine's modules do).
+from chatapp.engine.sampling_rules import SamplerOutput as SamplerOutput
+from chatapp.engine.sampling_rules import plain_greedy, token_positions
+from chatapp.engine.sampling_rules import samples_without_history as samples_without_history
+
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
 
 
 class Sampler:
@@ -34,7 +32,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Sample one token per row of ``logits`` [S, V] for ``requests`` (same order)."""
-        if all(_plain_greedy(r) for r in requests):
+        if all(plain_greedy(r) for r in requests):
             # The common case of a GPU decode step, in one kernel: widening to float32 is exact,
             # so the half-precision argmax is the same token (ties too: the first maximum).
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
@@ -53,7 +51,7 @@ class Sampler:
         """The same tokens as ``__call__``, left on the logits' device (nothing waits for them), for
         requests that all pass :func:`samples_without_history`."""
         assert all(samples_without_history(r) for r in requests)
-        if all(_plain_greedy(r) for r in requests):
+        if all(plain_greedy(r) for r in requests):
             return logits.argmax(dim=-1)
         return self._choose(logits.float(), requests)
 
@@ -102,7 +100,9 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()
         for i, req in enumerate(requests):
             if req.params.seed is not None:
-                if req.generator is None or req.generator.device != device:
+                # Made at first use (Request holds no torch), and again when the held one is another
+                # device's or the numpy sampler's.
+                if not isinstance(req.generator, torch.Generator) or req.generator.device != device:
                     req.generator = torch.Generator(device=device).manual_seed(req.params.seed)
                 noise[i].exponential_(generator=req.generator)
         return (probs / noise).argmax(dim=-1)
@@ -132,17 +132,6 @@ class GrammarMasks:
             logits.index_copy_(0, torch.tensor(rows, device=logits.device), sub)
 
 
-def _token_positions(words: np.ndarray, at: np.ndarray, vocab: int) -> np.ndarray:
-    """Flat [row, token] positions of the set bits of the words at flat word indices ``at``."""
-    bits = np.unpackbits(words.reshape(-1)[at].view(np.uint8).reshape(-1, 4), axis=-1, bitorder="little")
-    word, bit = np.nonzero(bits)
-    per_row = words.shape[1]
-    row, column = np.divmod(at[word], per_row)
-    token = column * 32 + bit
-    keep = token < vocab
-    return row[keep] * vocab + token[keep]
-
-
 def _mask_out(logits: torch.Tensor, allowed: np.ndarray) -> None:
     """logits[t] = -inf for every token t whose bit is clear in the row's int32 words ``allowed``.
 
@@ -158,27 +147,14 @@ def _mask_out(logits: torch.Tensor, allowed: np.ndarray) -> None:
     flat = logits.view(-1)
     partly_blocked = np.flatnonzero(allowed.reshape(-1) != -1)
     if len(partly_blocked) <= allowed.size // 2:
-        at = _token_positions(~allowed, partly_blocked, vocab)
+        at = token_positions(~allowed, partly_blocked, vocab)
         flat[torch.from_numpy(at).to(logits.device)] = float("-inf")
         return
-    kept = torch.from_numpy(_token_positions(allowed, np.flatnonzero(allowed.reshape(-1) != 0), vocab))
+    kept = torch.from_numpy(token_positions(allowed, np.flatnonzero(allowed.reshape(-1) != 0), vocab))
     kept = kept.to(logits.device)
     keep = flat[kept]
     flat.fill_(float("-inf"))
     flat[kept] = keep
-
-
-def samples_without_history(req: Request) -> bool:
-    """Its next token needs neither its earlier tokens nor a reply to the host (no penalties, grammar
-    or logprobs), so a step may sample it while the host has yet to read the token before it."""
-    p = req.params
-    return p.logprobs is None and not p.uses_penalties and req.matcher is None
-
-
-def _plain_greedy(req: Request) -> bool:
-    """Greedy with nothing that changes or reports the logits (bias, penalties, grammar, logprobs)."""
-    p = req.params
-    return p.greedy and p.logprobs is None and not p.logit_bias and not p.uses_penalties and req.matcher is None
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

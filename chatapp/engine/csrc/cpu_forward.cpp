@@ -12,6 +12,7 @@
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
+#include <pybind11/numpy.h>
 
 #include <map>
 #include <memory>
@@ -266,32 +267,76 @@ c10::intrusive_ptr<LinearPackedParamsBase> to_packed(const py::object& obj) {
   return torch::jit::toIValue(obj, type).toCustomClass<LinearPackedParamsBase>();
 }
 
+// numpy arrays in and out, for the engine's torch-free CPU path (chatapp/engine/array_runner.py): this
+// library links against libtorch, but its caller need not import torch's Python module (~1.1 s at start).
+at::ScalarType scalar_type_of(const py::array& a) {
+  const char kind = a.dtype().kind();
+  const auto size = a.itemsize();
+  if (kind == 'f' && size == 4) return at::kFloat;
+  if (kind == 'f' && size == 2) return at::kHalf;
+  if (kind == 'u' && size == 1) return at::kByte;
+  if (kind == 'i' && size == 4) return at::kInt;
+  if (kind == 'i' && size == 8) return at::kLong;
+  throw py::type_error("unsupported array dtype " + std::string(py::str(a.dtype())));
+}
+
+// A tensor over the array's memory (no copy); the array must outlive it (the caller keeps it).
+at::Tensor array_view(const py::array& a) {
+  std::vector<int64_t> sizes(a.ndim()), strides(a.ndim());
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) {
+    sizes[i] = a.shape(i);
+    strides[i] = a.strides(i) / a.itemsize();
+  }
+  return at::from_blob(const_cast<void*>(a.data()), sizes, strides, at::TensorOptions().dtype(scalar_type_of(a)));
+}
+
+// A tensor argument given as a numpy array (kept alive in `keep`) or as a torch tensor (the torch path).
+at::Tensor tensor_arg(const py::handle& h, std::vector<py::object>& keep) {
+  if (py::isinstance<py::array>(h)) {
+    keep.push_back(py::reinterpret_borrow<py::object>(h));
+    return array_view(py::reinterpret_borrow<py::array>(h));
+  }
+  return h.cast<at::Tensor>();
+}
+
+// A float32 tensor as a numpy array sharing its memory (the array holds the tensor).
+py::array float_array(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "expected a float32 result");
+  const at::Tensor c = t.contiguous();
+  auto* held = new at::Tensor(c);
+  py::capsule owner(held, [](void* p) { delete static_cast<at::Tensor*>(p); });
+  std::vector<py::ssize_t> shape(c.sizes().begin(), c.sizes().end());
+  return py::array_t<float>(shape, c.data_ptr<float>(), owner);
+}
+
 }  // namespace
 
 class CpuModel {
  public:
   // scale: attention's (head_dim^-0.5, or Gemma's query_pre_attn_scalar^-0.5); window: the local layers'
   // sliding window (0: none); softcap: Gemma 2's attention score cap (0: none); gelu: GeGLU, not SwiGLU.
-  CpuModel(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, at::Tensor final_norm, double scale,
-           int64_t window, double softcap, bool gelu)
+  // Tensor arguments (here and in add_layer) are torch tensors or numpy arrays alike.
+  CpuModel(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, const py::object& final_norm,
+           double scale, int64_t window, double softcap, bool gelu)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
-        scale_(scale), window_(window), softcap_(softcap), gelu_(gelu), final_norm_(final_norm) {}
+        scale_(scale), window_(window), softcap_(softcap), gelu_(gelu), final_norm_(tensor_arg(final_norm, keep_)) {}
 
   // spec: {"weight", "bias"} for a float layer, {"packed", "in_features", "outliers", "outlier_rows", "bias"} for
   // int8, {"parts": [(packed, kind, out_features), ...], "bias"} for block-quantized weights.
   Linear make_linear(const py::dict& spec) {
     Linear lin;
-    if (spec.contains("bias") && !spec["bias"].is_none()) lin.bias = spec["bias"].cast<at::Tensor>().contiguous();
+    if (spec.contains("bias") && !spec["bias"].is_none()) lin.bias = tensor_arg(spec["bias"], keep_).contiguous();
     if (spec.contains("parts")) {
-      for (const auto& part : spec["parts"].cast<std::vector<std::tuple<at::Tensor, int64_t, int64_t>>>()) {
-        lin.parts.push_back(std::get<0>(part));
-        lin.part_kinds.push_back(std::get<1>(part));
-        lin.part_outs.push_back(std::get<2>(part));
+      for (const auto& part : spec["parts"]) {
+        const auto fields = py::reinterpret_borrow<py::tuple>(part);
+        lin.parts.push_back(tensor_arg(fields[0], keep_));
+        lin.part_kinds.push_back(fields[1].cast<int64_t>());
+        lin.part_outs.push_back(fields[2].cast<int64_t>());
       }
       return lin;
     }
     if (!spec.contains("packed")) {
-      lin.weight = spec["weight"].cast<at::Tensor>();
+      lin.weight = tensor_arg(spec["weight"], keep_);
       return lin;
     }
     lin.packed = to_packed(spec["packed"]);
@@ -308,14 +353,39 @@ class CpuModel {
     return lin;
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor mlp_in_norm, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, const py::dict& qkv, const py::dict& o, const py::dict& gate_up,
-                 const py::dict& down, std::optional<at::Tensor> attn_out_norm, std::optional<at::Tensor> mlp_out_norm,
-                 bool local, bool use_rope) {
-    auto opt = [](const std::optional<at::Tensor>& t) { return t ? t->contiguous() : at::Tensor(); };
-    layers_.push_back(Layer{input_norm.contiguous(), mlp_in_norm.contiguous(), opt(q_norm), opt(k_norm),
-                            make_linear(qkv), make_linear(o), make_linear(gate_up), make_linear(down),
-                            opt(attn_out_norm), opt(mlp_out_norm), local, use_rope});
+  void add_layer(const py::object& input_norm, const py::object& mlp_in_norm, const py::object& q_norm,
+                 const py::object& k_norm, const py::dict& qkv, const py::dict& o, const py::dict& gate_up,
+                 const py::dict& down, const py::object& attn_out_norm, const py::object& mlp_out_norm, bool local,
+                 bool use_rope) {
+    auto opt = [this](const py::object& t) { return t.is_none() ? at::Tensor() : tensor_arg(t, keep_).contiguous(); };
+    layers_.push_back(Layer{opt(input_norm), opt(mlp_in_norm), opt(q_norm), opt(k_norm), make_linear(qkv),
+                            make_linear(o), make_linear(gate_up), make_linear(down), opt(attn_out_norm),
+                            opt(mlp_out_norm), local, use_rope});
+  }
+
+  // The LM head, for callers without torch (forward_arrays' caller); spec as make_linear's.
+  void set_head(const py::dict& spec) { head_ = make_linear(spec); }
+
+  // forward() with numpy arrays: x float32 [T, hidden] (updated in place), the int index arrays as
+  // forward's tensors. Returns the final-normed hidden states.
+  py::array forward_arrays(const py::array& x, const py::array& cos, const py::array& sin, const py::array& local_cos,
+                           const py::array& local_sin, const py::list& k_caches, const py::list& v_caches,
+                           const py::array& slot_mapping, const py::array& query_start_loc, const py::array& seq_lens,
+                           const py::array& block_tables) {
+    std::vector<at::Tensor> ks, vs;
+    ks.reserve(k_caches.size());
+    vs.reserve(v_caches.size());
+    for (const auto& k : k_caches) ks.push_back(array_view(py::reinterpret_borrow<py::array>(k)));
+    for (const auto& v : v_caches) vs.push_back(array_view(py::reinterpret_borrow<py::array>(v)));
+    return float_array(forward(array_view(x), array_view(cos), array_view(sin), array_view(local_cos),
+                               array_view(local_sin), std::move(ks), std::move(vs), array_view(slot_mapping),
+                               array_view(query_start_loc), array_view(seq_lens), array_view(block_tables)));
+  }
+
+  // Logits [rows, vocab] of final-normed hidden states through the head set by set_head.
+  py::array head_arrays(const py::array& hidden) {
+    TORCH_CHECK(!head_.parts.empty() || head_.weight.defined(), "set_head() comes first");
+    return float_array(head_(array_view(hidden).contiguous()));
   }
 
   // x [T, hidden] (embedded, owned: updated in place); cos/sin [T, 1, R] for the step's positions (the local
@@ -354,6 +424,7 @@ class CpuModel {
   }
 
  private:
+  std::vector<py::object> keep_;  // the numpy arrays our tensors view (first: the initializers below fill it)
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
   double scale_;
@@ -362,8 +433,21 @@ class CpuModel {
   bool gelu_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
+  Linear head_;
   std::map<int64_t, std::shared_ptr<AnchorBuffer>> buffers_;
 };
+
+namespace {
+
+// repack_gguf with numpy arrays: fills `out` (zeroed uint8 [tiles, blocks, tile bytes]); returns the kind.
+int64_t repack_gguf_array(const py::array& raw, int64_t ggml_type, int64_t k, const py::object& row_order,
+                          const py::array& out) {
+  std::optional<at::Tensor> order;
+  if (!row_order.is_none()) order = array_view(py::reinterpret_borrow<py::array>(row_order));
+  return std::get<1>(repack_gguf(array_view(raw), ggml_type, k, order, array_view(out)));
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention over a paged KV cache (CPU; float32 or float16 cache)",
@@ -376,8 +460,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ggml_type"), py::arg("k"), py::arg("row_order") = py::none(), py::arg("out") = py::none());
   m.def("block_quant_fast", &block_quant_fast, "whether a vector block kernel (AVX-512 VNNI or AVX2) was compiled in");
   m.def("block_quant_paths", &block_quant_paths, "the block kernels' loops compiled in, fastest first");
+  m.def("repack_gguf_array", &repack_gguf_array, "repack_gguf into a numpy array (no torch needed)", py::arg("raw"),
+        py::arg("ggml_type"), py::arg("k"), py::arg("row_order"), py::arg("out"));
+  m.def(
+      "cos_sin", [](const py::array& angles) {
+        const at::Tensor a = array_view(angles).contiguous();
+        return py::make_tuple(float_array(a.cos()), float_array(a.sin()));
+      },
+      "cos and sin of float32 angles with torch's own kernels (RoPE tables with the torch path's bits)");
+  m.def("set_num_threads", [](int64_t n) { at::set_num_threads(static_cast<int>(n)); },
+        "the threads our kernels (and libtorch's) use, for callers without torch");
+  m.def("get_num_threads", []() { return static_cast<int64_t>(at::get_num_threads()); });
   py::class_<CpuModel>(m, "CpuModel", py::module_local())  // local: two builds (tests) can be loaded at once
-      .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor, double, int64_t, double, bool>())
+      .def(py::init<int64_t, int64_t, int64_t, double, const py::object&, double, int64_t, double, bool>())
       .def("add_layer", &CpuModel::add_layer)
-      .def("forward", &CpuModel::forward);
+      .def("forward", &CpuModel::forward)
+      .def("set_head", &CpuModel::set_head)
+      .def("forward_arrays", &CpuModel::forward_arrays)
+      .def("head_arrays", &CpuModel::head_arrays);
 }

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from chatapp.engine.models.rope_arrays import attention_scaling
+
 
 def inverse_frequencies(
     rotary_dim: int, theta: float, scaling: dict[str, Any] | None, long: bool = False
@@ -64,25 +66,6 @@ def _yarn_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, 
     keep = 1 - ramp  # the share of each pair's original (extrapolated) frequency
     pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
     return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
-
-
-def attention_scaling(scaling: dict[str, Any] | None) -> float:
-    """What cos and sin are multiplied by (LongRoPE and YaRN keep attention's sharpness at long range); else 1."""
-    if scaling is None or scaling["rope_type"] not in ("longrope", "yarn"):
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "yarn":
-
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-            return float(mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"]))
-        return mscale(factor)
-    original = int(scaling["original_max_position_embeddings"])
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding(torch.nn.Module):

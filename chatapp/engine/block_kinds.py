@@ -1,0 +1,45 @@
+"""The packed block kinds our C++ kernels run (csrc/block_quant.h): names, sizes and the GGUF types
+they hold exactly. Torch-free, so the engine's torch-free CPU path (array_runner.py) can read them."""
+
+from __future__ import annotations
+
+BLOCK = 32  # input channels per scale
+TILE = 16  # output channels per packed tile
+
+# Packed kinds (csrc/block_quant.h): what each holds exactly.
+KIND_Q4 = 4  # 4-bit codes, fp16 scale and minimum per 32: Q4_1
+KIND_Q4S = 5  # 4-bit codes offset by 8, fp16 scale per 32: Q4_0 (its 18 bytes a block, no minimum to read)
+KIND_Q5S = 6  # 5-bit codes offset by 16, fp16 scale per 32: Q5_0 (its 22 bytes a block)
+KIND_Q5M = 7  # 5-bit codes, fp16 scale and minimum per 32: Q5_1 (its 24 bytes a block)
+KIND_Q8 = 8  # 8-bit codes offset by 128, fp16 scale per 32: Q8_0
+KIND_Q4K, KIND_Q5K, KIND_Q6K = 104, 105, 106  # super-blocks of 256 with integer sub-block scales
+K_KINDS = (KIND_Q4K, KIND_Q5K, KIND_Q6K)
+SUPER_BLOCK = 256
+
+
+# GGUF type -> the packed kind that holds it exactly (csrc/gguf_repack.cpp), and bytes per (tile, block).
+KIND_FOR_GGUF_TYPE = {
+    "Q4_0": KIND_Q4S,
+    "Q4_1": KIND_Q4,
+    "Q5_0": KIND_Q5S,
+    "Q8_0": KIND_Q8,
+    "Q5_1": KIND_Q5M,
+    "Q4_K": KIND_Q4K,
+    "Q5_K": KIND_Q5K,
+    "Q6_K": KIND_Q6K,
+}
+TILE_BYTES = {
+    KIND_Q4: 320,
+    KIND_Q4S: 288,
+    KIND_Q5S: 352,
+    KIND_Q5M: 384,
+    KIND_Q8: 544,
+    KIND_Q4K: 2368,
+    KIND_Q5K: 2880,
+    KIND_Q6K: 3360,
+}
+
+
+def block_inputs(kind: int) -> int:
+    """Input channels per packed block of this kind."""
+    return SUPER_BLOCK if kind in K_KINDS else BLOCK

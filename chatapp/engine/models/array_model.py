@@ -1,0 +1,155 @@
+"""A GGUF model for the torch-free CPU engine: the C++ layer loop's weights as numpy arrays.
+
+The same model as gguf_loader.load_gguf_native + cpu_forward.build_cpu_model (the torch path),
+built without torch: every projection in the file's own blocks (repacked into our kernels' tiles),
+types our kernels do not take de-quantised to float32, the token embeddings read from the file a
+row at a time, and the RoPE tables from rope_arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.gguf_file import GGUFModelFile, GGUFTensor
+from chatapp.engine.models.gguf_weights import (
+    NATIVE_TYPES,
+    GGUFWeights,
+    Projection,
+    check_embedding,
+    check_layer_count,
+    dequantize_rows,
+)
+from chatapp.engine.models.rope_arrays import rope_tables
+
+log = logging.getLogger(__name__)
+
+Tables = tuple[np.ndarray, np.ndarray]
+
+
+class ArrayModel:
+    """Token ids and positions of a flattened batch in, final hidden states and logits out."""
+
+    def __init__(self, mc: ModelConfig, cpu: Any, embedding: GGUFTensor, tables: Tables, local: Tables) -> None:
+        self.config = mc
+        self.cpu = cpu  # the extension's CpuModel, its LM head set
+        self._embedding = embedding
+        self._tables, self._local_tables = tables, local
+        # Gemma scales embeddings by sqrt(hidden), rounded to float32 first as Hugging Face does.
+        self._embed_scale = np.float32(mc.hidden_size**0.5) if mc.is_gemma else None
+
+    def embed(self, token_ids: np.ndarray) -> np.ndarray:
+        """float32 [T, hidden]: each token's row, de-quantised exactly (a new array the loop may write)."""
+        unique, inverse = np.unique(token_ids, return_inverse=True)
+        rows = dequantize_rows(self._embedding, unique)[inverse.reshape(-1)]
+        if self._embed_scale is not None:
+            rows *= self._embed_scale
+        return np.ascontiguousarray(rows, dtype=np.float32)
+
+    def rope(self, positions: np.ndarray) -> tuple[Tables, Tables]:
+        """(global, local) layers' (cos, signed_sin) [T, 1, rotary_dim] for a step's positions."""
+
+        def lookup(tables: Tables) -> Tables:
+            return tables[0][positions][:, None, :], tables[1][positions][:, None, :]
+
+        table = lookup(self._tables)
+        return table, (table if self._local_tables is self._tables else lookup(self._local_tables))
+
+    def forward(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        k_caches: list[np.ndarray],
+        v_caches: list[np.ndarray],
+        slots: np.ndarray,
+        query_start: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+    ) -> np.ndarray:
+        """Final-normed hidden states [T, hidden] (the keys and values go into the caches)."""
+        (cos, sin), (local_cos, local_sin) = self.rope(positions)
+        hidden: np.ndarray = self.cpu.forward_arrays(
+            self.embed(token_ids),
+            cos,
+            sin,
+            local_cos,
+            local_sin,
+            k_caches,
+            v_caches,
+            slots,
+            query_start,
+            seq_lens,
+            block_tables,
+        )
+        return hidden
+
+    def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """float32 [rows, vocab]; Gemma 2's final soft-cap applied."""
+        logits: np.ndarray = self.cpu.head_arrays(np.ascontiguousarray(hidden, dtype=np.float32))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
+        return logits
+
+
+def load_array_model(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, ext: ModuleType) -> ArrayModel:
+    """Read the file into the extension's CpuModel (weights shared with the arrays, not copied)."""
+    check_layer_count(gguf, mc)
+    weights = GGUFWeights(gguf, mc)
+    h = mc.hidden_size
+
+    def linear(parts: Projection, bias: np.ndarray | None) -> dict[str, Any]:
+        tensors = weights.checked_tensors(parts)
+        if all(t.type_name in NATIVE_TYPES for t in tensors):
+            return {"parts": weights.repack(ext, parts, tensors), "bias": bias}
+        log.info(
+            "%s: %s is not a type our kernels run; de-quantised to float32",
+            parts[0][0],
+            "/".join(sorted({t.type_name for t in tensors})),
+        )
+        k = tensors[0].shape[-1]
+        dense = np.concatenate([weights.floats(name, (rows, k), heads) for name, rows, heads in parts])
+        return {"weight": dense, "bias": bias}
+
+    def norm(name: str, size: int = h) -> np.ndarray:
+        return weights.floats(name, (size,))
+
+    cpu = ext.CpuModel(
+        mc.num_heads,
+        mc.num_kv_heads,
+        mc.head_dim,
+        mc.rms_norm_eps,
+        norm("output_norm.weight"),
+        mc.attention_scale,
+        mc.sliding_window or 0,
+        mc.attn_logit_softcapping or 0.0,
+        mc.is_gemma,
+    )
+    for i in range(mc.num_layers):
+        p = f"blk.{i}."
+        # llama.cpp's Gemma files store the norm weights with the 1 already added, as our norms take them.
+        cpu.add_layer(
+            norm(p + "attn_norm.weight"),
+            norm(p + "ffn_norm.weight"),
+            norm(p + "attn_q_norm.weight", mc.head_dim) if mc.qk_norm else None,
+            norm(p + "attn_k_norm.weight", mc.head_dim) if mc.qk_norm else None,
+            linear(weights.projections(i, "qkv"), weights.bias(i, "qkv") if mc.attention_bias else None),
+            linear(weights.projections(i, "o"), None),
+            linear(weights.projections(i, "gate_up"), weights.bias(i, "gate_up") if mc.mlp_bias else None),
+            linear(weights.projections(i, "down"), weights.bias(i, "down") if mc.mlp_bias else None),
+            norm(p + "post_attention_norm.weight") if mc.is_gemma else None,
+            norm(p + "post_ffw_norm.weight") if mc.is_gemma else None,
+            mc.layer_is_local(i),
+            mc.layer_uses_rope(i),
+        )
+    head = "token_embd.weight" if mc.tie_word_embeddings else "output.weight"
+    cpu.set_head(linear([(head, mc.vocab_size, None)], None))
+    tables = rope_tables(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling, mc.rotary_dim, ext.cos_sin)
+    local = tables
+    if mc.is_gemma and mc.local_rope_theta is not None:  # Gemma 3: local layers take their own base, unscaled
+        local = rope_tables(mc.head_dim, max_positions, mc.local_rope_theta, None, mc.rotary_dim, ext.cos_sin)
+    return ArrayModel(mc, cpu, check_embedding(gguf, mc), tables, local)

@@ -1,0 +1,197 @@
+"""A GGUF file's weights as our CPU kernels take them: numpy arrays, no torch.
+
+Both CPU loaders read through here: gguf_loader.py (the torch model) wraps these arrays as tensors
+without copying, and array_runner.py (the torch-free engine) hands them to the C++ layer loop as they
+are. What lives here: tensors de-quantised exactly, llama.cpp's q/k row permutation undone, fused
+projections' parts found by name, and projections repacked into our kernels' tiles.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+
+from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE, TILE, TILE_BYTES, block_inputs
+from chatapp.engine.models.config import ModelConfig
+from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
+
+# GGUF types our kernels run as they are (csrc/gguf_repack.cpp says into which packed kind).
+NATIVE_TYPES = frozenset(KIND_FOR_GGUF_TYPE)
+_CHUNK_BYTES = 16 * 2**20  # file bytes repacked per call (and held in memory at once)
+
+Projection = list[tuple[str, int, int | None]]
+"""A fused projection's parts: (tensor name, rows, rope heads whose rows to un-permute)."""
+
+PackedWeight = tuple[np.ndarray, int, int]
+"""One packing of a projection: (uint8 [tiles, blocks, tile bytes], kind, real output rows)."""
+
+
+def dequantize_rows(tensor: GGUFTensor, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+    """float32 [rows, columns] of a tensor, exactly as the `gguf` package de-quantises them."""
+    from gguf import GGMLQuantizationType, quants
+
+    data = np.asarray(tensor.data[rows])
+    return np.asarray(quants.dequantize(data, GGMLQuantizationType(tensor.type_id)), dtype=np.float32)
+
+
+class GGUFWeights:
+    """Named weights of one model file, each read when asked for and its file pages dropped after."""
+
+    def __init__(self, gguf: GGUFModelFile, mc: ModelConfig) -> None:
+        self.gguf, self.mc = gguf, mc
+
+    def raw(self, name: str, heads: int | None = None) -> GGUFTensor:
+        """A tensor, its rows put back in Hugging Face order when the converter permuted them (a copy)."""
+        tensor = self.gguf.tensor(name)
+        order = self.row_order(tensor, heads)
+        if order is None:
+            return tensor
+        return GGUFTensor(
+            tensor.name, tensor.type_name, tensor.type_id, tensor.shape, tensor.data[order], tensor.offset
+        )
+
+    def row_order(self, tensor: GGUFTensor, heads: int | None) -> np.ndarray | None:
+        if heads is None or not self.gguf.permuted_qk:
+            return None
+        return unpermute_rows(tensor.shape[0], heads)
+
+    def floats(self, name: str, shape: tuple[int, ...], heads: int | None = None) -> np.ndarray:
+        """A tensor de-quantised to float32 in ``shape`` (a new array: the file's pages are dropped)."""
+        tensor = self.raw(name, heads)
+        if tensor.shape != shape:
+            raise GGUFError(f"tensor {name} has shape {tensor.shape}, expected {shape}")
+        values = dequantize_rows(tensor).reshape(shape)
+        self.gguf.release(self.gguf.tensor(name))
+        return values
+
+    def projections(self, layer: int, kind: str) -> Projection:
+        """(tensor name, rows, rope heads to un-permute) of a fused projection's parts."""
+        mc, p = self.mc, f"blk.{layer}."
+        tensors = self.gguf.tensors
+        if kind == "qkv":
+            kv = mc.num_kv_heads * mc.head_dim
+            if p + "attn_qkv.weight" in tensors:  # Phi-3: one fused tensor, q then k then v
+                return [(p + "attn_qkv.weight", mc.num_heads * mc.head_dim + 2 * kv, None)]
+            return [
+                (p + "attn_q.weight", mc.num_heads * mc.head_dim, mc.num_heads),
+                (p + "attn_k.weight", kv, mc.num_kv_heads),
+                (p + "attn_v.weight", kv, None),
+            ]
+        if kind == "o":
+            return [(p + "attn_output.weight", mc.hidden_size, None)]
+        if kind == "gate_up":
+            if p + "ffn_gate.weight" not in tensors and p + "ffn_up.weight" in tensors:
+                return [(p + "ffn_up.weight", 2 * mc.intermediate_size, None)]  # Phi-3: gate then up, fused
+            return [
+                (p + "ffn_gate.weight", mc.intermediate_size, None),
+                (p + "ffn_up.weight", mc.intermediate_size, None),
+            ]
+        return [(p + "ffn_down.weight", mc.hidden_size, None)]
+
+    def bias(self, layer: int, kind: str) -> np.ndarray | None:
+        """A fused projection's bias (float32), or None where the file has none."""
+        names = {
+            "qkv": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+            "gate_up": ["ffn_gate.bias", "ffn_up.bias"],
+            "down": ["ffn_down.bias"],
+            "o": ["attn_output.bias"],
+        }[kind]
+        parts = []
+        for (_weight, rows, heads), name in zip(self.projections(layer, kind), names):
+            full = f"blk.{layer}.{name}"
+            if full not in self.gguf.tensors:
+                return None
+            tensor = self.raw(full, heads) if heads else self.gguf.tensor(full)
+            parts.append(dequantize_rows(tensor).reshape(rows))
+        return np.concatenate(parts)
+
+    def checked_tensors(self, parts: Projection) -> list[GGUFTensor]:
+        """The parts' tensors, each checked to be [rows, K] with one K."""
+        tensors = [self.gguf.tensor(name) for name, _rows, _heads in parts]
+        k = tensors[0].shape[-1]
+        for (name, rows, _heads), t in zip(parts, tensors):
+            if t.shape != (rows, k):
+                raise GGUFError(f"tensor {name} has shape {t.shape}, expected {(rows, k)}")
+        return tensors
+
+    def repack(self, ext: ModuleType, parts: Projection, tensors: list[GGUFTensor]) -> list[PackedWeight]:
+        """Repack a projection's tensors; neighbours of one kind share one packing (one kernel call).
+
+        Each tensor is written straight into its slice of the shared packing, so loading makes no
+        temporary copies (they would stay in the allocator's heap and in the peak resident set).
+        """
+        k = tensors[0].shape[-1]
+        groups: list[list[int]] = []
+        for i, t in enumerate(tensors):
+            kind = KIND_FOR_GGUF_TYPE[t.type_name]
+            prev = groups[-1][-1] if groups else None
+            if prev is not None and KIND_FOR_GGUF_TYPE[tensors[prev].type_name] == kind and parts[prev][1] % TILE == 0:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        packed: list[PackedWeight] = []
+        for group in groups:
+            kind = KIND_FOR_GGUF_TYPE[tensors[group[0]].type_name]
+            tiles = [-(-parts[i][1] // TILE) for i in group]
+            out = np.zeros((sum(tiles), k // block_inputs(kind), TILE_BYTES[kind]), dtype=np.uint8)
+            start = 0
+            for i, n_tiles in zip(group, tiles):
+                tensor, order = tensors[i], self.row_order(tensors[i], parts[i][2])
+                if order is not None:  # q/k rows come from all over the tensor: repack it whole
+                    ext.repack_gguf_array(tensor.data, tensor.type_id, k, order, out[start : start + n_tiles])
+                    self.gguf.release(tensor)
+                else:  # a few MB at a time, each chunk's file pages dropped once packed
+                    step = max(TILE, _CHUNK_BYTES // tensor.data.shape[1] // TILE * TILE)
+                    for first in range(0, tensor.shape[0], step):
+                        rows = slice(first, min(first + step, tensor.shape[0]))
+                        t0 = start + first // TILE
+                        t1 = t0 + -(-(rows.stop - first) // TILE)
+                        ext.repack_gguf_array(tensor.data[rows], tensor.type_id, k, None, out[t0:t1])
+                        self.gguf.release(tensor, rows)
+                start += n_tiles
+            packed.append((out, kind, sum(parts[i][1] for i in group)))
+        return packed
+
+
+def unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (interleaved -> rotate-half pairs)."""
+    head_dim = rows // heads
+    r = np.arange(rows)
+    h, within = r // head_dim, r % head_dim
+    half = head_dim // 2
+    return h * head_dim + 2 * (within % half) + within // half
+
+
+def check_layer_count(gguf: GGUFModelFile, mc: ModelConfig) -> None:
+    last = f"blk.{mc.num_layers - 1}.attn_norm.weight"
+    if last not in gguf.tensors:
+        raise GGUFError(f"{gguf.path.name} says {mc.num_layers} layers but lacks tensor {last}")
+
+
+def check_embedding(gguf: GGUFModelFile, mc: ModelConfig) -> GGUFTensor:
+    """The token embedding tensor, checked to be [vocab, hidden]."""
+    tensor = gguf.tensor("token_embd.weight")
+    if tuple(tensor.shape) != (mc.vocab_size, mc.hidden_size):
+        raise GGUFError(
+            f"tensor token_embd.weight has shape {tensor.shape}, expected {(mc.vocab_size, mc.hidden_size)}"
+        )
+    return tensor
+
+
+def native_weight_bytes(gguf: GGUFModelFile, mc: ModelConfig) -> int:
+    """Bytes our CPU model will hold for this file's weights (the native loaders' packings).
+
+    The token embeddings stay in the file (read per token) unless they also serve as the LM head.
+    """
+    total = 0
+    for name, t in gguf.tensors.items():
+        if name == "token_embd.weight" and not mc.tie_word_embeddings:
+            continue
+        rows, k = (int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1), t.shape[-1]
+        kind = KIND_FOR_GGUF_TYPE.get(t.type_name)
+        if kind is None or len(t.shape) == 1:
+            total += rows * k * 4  # float32: norms, and tensors our kernels do not take
+        else:
+            total += -(-rows // TILE) * (k // block_inputs(kind)) * TILE_BYTES[kind]
+    return total
