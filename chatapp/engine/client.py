@@ -143,6 +143,8 @@ class AsyncEngineClient:
         self.state_detail = ""
         self._model_info: ModelInfo | None = None  # set once ready (and again after a model switch)
         self._tokenizer: Tokenizer | None = None  # the model's tokenizer, loaded here from model_info.path
+        # The tokenizer of the model this client asked for, loading while the engine loads the weights.
+        self._tokenizer_preload: tuple[str, asyncio.Task[Tokenizer]] | None = None
         self.engine_pid: int | None = None
         self.spawned_engine = False  # whether this client started the engine it is attached to
         self.model_mismatch: str | None = None  # set when attached to an engine serving another model
@@ -671,7 +673,7 @@ class AsyncEngineClient:
             if self._tokenizer is None or self._model_info is None or self._model_info.path != info.path:
                 self._set_state(EngineState.LOADING, f"loading the tokenizer of {info.name}")
                 try:
-                    tokenizer = await asyncio.to_thread(Tokenizer, info.path)
+                    tokenizer = await self._load_tokenizer(info.path)
                 except Exception as exc:
                     log.exception("loading the tokenizer failed")
                     self._die(EngineError(f"could not load the tokenizer of {info.name}: {exc}"))
@@ -681,7 +683,31 @@ class AsyncEngineClient:
             self._model_info = info
             self._set_state(EngineState.READY, detail)
         elif state == "loading":
+            self._start_tokenizer_preload()
             self._set_state(EngineState.LOADING, detail)
+
+    def _start_tokenizer_preload(self) -> None:
+        """Load the asked-for model's tokenizer beside the engine's loading (~0.1 s less to wait once it is
+        ready). The engine may turn out to serve another model: then the preload goes unused."""
+        if self._tokenizer is not None or self._tokenizer_preload is not None:
+            return
+        try:
+            from chatapp.engine.model_ref import resolve_model_spec
+
+            path = str(resolve_model_spec(self.config.model).path)
+        except Exception:  # a model the engine will refuse, with its own message
+            return
+        self._tokenizer_preload = (path, asyncio.create_task(asyncio.to_thread(Tokenizer, path)))
+
+    async def _load_tokenizer(self, path: str) -> Tokenizer:
+        """The tokenizer of the model at ``path``: the preloaded one when it is that model's."""
+        preload, self._tokenizer_preload = self._tokenizer_preload, None
+        if preload is not None and preload[0] == str(path):
+            with contextlib.suppress(Exception):  # a failed preload: load it again below, to report why
+                return await preload[1]
+        elif preload is not None:
+            preload[1].cancel()
+        return await asyncio.to_thread(Tokenizer, path)
 
     # -- background tasks -------------------------------------------------------------
 
