@@ -82,7 +82,7 @@ def test_greedy_tokens_equal_the_torch_runners_batched_alone_and_chunked(
     each prompt alone, and the batch with prompts prefilled 3 tokens a step."""
     path = llama_file(gguf_dir, name)
     expected = tokens(engine(path, "torch"), PROMPTS)
-    with caplog.at_level(logging.INFO, logger="chatapp.engine.models.array_model"):
+    with caplog.at_level(logging.INFO, logger="chatapp.engine.models.gguf_weights"):
         array = engine(path, "array")
     assert array.config.quantization == "gguf"
     if name == "F16":  # its projections ran as de-quantised float32 layers, not in a kernel's blocks

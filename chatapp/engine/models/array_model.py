@@ -8,7 +8,6 @@ row at a time, and the RoPE tables from rope_arrays.
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 from typing import Any
 
@@ -16,17 +15,8 @@ import numpy as np
 
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gguf_file import GGUFModelFile, GGUFTensor
-from chatapp.engine.models.gguf_weights import (
-    NATIVE_TYPES,
-    GGUFWeights,
-    Projection,
-    check_embedding,
-    check_layer_count,
-    dequantize_rows,
-)
+from chatapp.engine.models.gguf_weights import GGUFWeights, check_embedding, check_layer_count, dequantize_rows
 from chatapp.engine.models.rope_arrays import rope_tables
-
-log = logging.getLogger(__name__)
 
 Tables = tuple[np.ndarray, np.ndarray]
 
@@ -100,54 +90,34 @@ def load_array_model(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, e
     """Read the file into the extension's CpuModel (weights shared with the arrays, not copied)."""
     check_layer_count(gguf, mc)
     weights = GGUFWeights(gguf, mc)
-    h = mc.hidden_size
-
-    def linear(parts: Projection, bias: np.ndarray | None) -> dict[str, Any]:
-        tensors = weights.checked_tensors(parts)
-        if all(t.type_name in NATIVE_TYPES for t in tensors):
-            return {"parts": weights.repack(ext, parts, tensors), "bias": bias}
-        log.info(
-            "%s: %s is not a type our kernels run; de-quantised to float32",
-            parts[0][0],
-            "/".join(sorted({t.type_name for t in tensors})),
-        )
-        k = tensors[0].shape[-1]
-        dense = np.concatenate([weights.floats(name, (rows, k), heads) for name, rows, heads in parts])
-        return {"weight": dense, "bias": bias}
-
-    def norm(name: str, size: int = h) -> np.ndarray:
-        return weights.floats(name, (size,))
-
     cpu = ext.CpuModel(
         mc.num_heads,
         mc.num_kv_heads,
         mc.head_dim,
         mc.rms_norm_eps,
-        norm("output_norm.weight"),
+        weights.floats("output_norm.weight", (mc.hidden_size,)),
         mc.attention_scale,
         mc.sliding_window or 0,
         mc.attn_logit_softcapping or 0.0,
         mc.is_gemma,
     )
     for i in range(mc.num_layers):
-        p = f"blk.{i}."
-        # llama.cpp's Gemma files store the norm weights with the 1 already added, as our norms take them.
+        w = weights.layer(ext, i)
         cpu.add_layer(
-            norm(p + "attn_norm.weight"),
-            norm(p + "ffn_norm.weight"),
-            norm(p + "attn_q_norm.weight", mc.head_dim) if mc.qk_norm else None,
-            norm(p + "attn_k_norm.weight", mc.head_dim) if mc.qk_norm else None,
-            linear(weights.projections(i, "qkv"), weights.bias(i, "qkv") if mc.attention_bias else None),
-            linear(weights.projections(i, "o"), None),
-            linear(weights.projections(i, "gate_up"), weights.bias(i, "gate_up") if mc.mlp_bias else None),
-            linear(weights.projections(i, "down"), weights.bias(i, "down") if mc.mlp_bias else None),
-            norm(p + "post_attention_norm.weight") if mc.is_gemma else None,
-            norm(p + "post_ffw_norm.weight") if mc.is_gemma else None,
+            w.input_norm,
+            w.mlp_in_norm,
+            w.q_norm,
+            w.k_norm,
+            w.qkv.spec(),
+            w.o.spec(),
+            w.gate_up.spec(),
+            w.down.spec(),
+            w.attn_out_norm,
+            w.mlp_out_norm,
             mc.layer_is_local(i),
             mc.layer_uses_rope(i),
         )
-    head = "token_embd.weight" if mc.tie_word_embeddings else "output.weight"
-    cpu.set_head(linear([(head, mc.vocab_size, None)], None))
+    cpu.set_head(weights.lm_head(ext).spec())
     tables = rope_tables(mc.head_dim, max_positions, mc.rope_theta, mc.rope_scaling, mc.rotary_dim, ext.cos_sin)
     local = tables
     if mc.is_gemma and mc.local_rope_theta is not None:  # Gemma 3: local layers take their own base, unscaled

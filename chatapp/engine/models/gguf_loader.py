@@ -13,9 +13,7 @@ Either way, one tensor's file pages are dropped from memory once it has been use
 
 from __future__ import annotations
 
-import logging
 import warnings
-from collections.abc import Callable
 from types import ModuleType
 from typing import cast
 
@@ -28,17 +26,14 @@ from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gemma import GemmaDecoderLayer, model_class
 from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
 from chatapp.engine.models.gguf_weights import (  # noqa: F401  (dequantize_rows, native_weight_bytes: re-exported)
-    NATIVE_TYPES,
     GGUFWeights,
-    Projection,
+    LinearWeights,
     check_embedding,
     check_layer_count,
     dequantize_rows,
     native_weight_bytes,
 )
 from chatapp.engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
-
-log = logging.getLogger(__name__)
 
 
 def _torch(array: np.ndarray) -> torch.Tensor:
@@ -127,63 +122,33 @@ def load_gguf_float(
     return model
 
 
-def load_gguf_native(
-    gguf: GGUFModelFile,
-    mc: ModelConfig,
-    max_positions: int,
-    ext: ModuleType,
-    progress: Callable[[int, int], None] | None = None,
-) -> LlamaForCausalLM:
+def load_gguf_native(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, ext: ModuleType) -> LlamaForCausalLM:
     """Our CPU model with every projection in the file's own blocks (float32 activations)."""
     check_layer_count(gguf, mc)
     device, dtype = torch.device("cpu"), torch.float32
     model = model_class(mc)(mc, max_positions, device="meta")
-    loader = GGUFWeights(gguf, mc)
-    h = mc.hidden_size
+    weights = GGUFWeights(gguf, mc)
 
-    def norm(module: nn.Module, name: str, size: int) -> None:
-        module.weight = nn.Parameter(_torch(loader.floats(name, (size,))), requires_grad=False)
+    def set_norm(module: nn.Module | None, values: np.ndarray | None) -> None:
+        if module is not None and values is not None:
+            module.weight = nn.Parameter(_torch(values), requires_grad=False)
 
-    def linear(parts: Projection, bias_values: np.ndarray | None) -> nn.Module:
-        tensors = loader.checked_tensors(parts)
-        k = tensors[0].shape[-1]
-        bias = None if bias_values is None else _torch(bias_values)
-        if all(t.type_name in NATIVE_TYPES for t in tensors):
-            packed = [PackedPart(_torch(a), kind, rows) for a, kind, rows in loader.repack(ext, parts, tensors)]
-            return BlockQuantLinear(packed, k, bias, ext)
-        log.info(
-            "%s: %s is not a type our kernels run; de-quantised to float32",
-            parts[0][0],
-            "/".join(sorted({t.type_name for t in tensors})),
-        )
-        dense = nn.Linear(k, sum(rows for _n, rows, _h in parts), bias=bias is not None)
-        with torch.no_grad():
-            dense.weight.copy_(
-                _torch(np.concatenate([loader.floats(name, (rows, k), heads) for name, rows, heads in parts]))
-            )
-            if bias is not None:
-                dense.bias.copy_(bias)
-        return dense
-
-    norm(model.norm, "output_norm.weight", h)
-    total = mc.num_layers
+    model.norm.weight = nn.Parameter(
+        _torch(weights.floats("output_norm.weight", (mc.hidden_size,))), requires_grad=False
+    )
     for i, module in enumerate(model.layers):
         layer = cast(DecoderLayer | GemmaDecoderLayer, module)  # the model's layer_class
-        attn, mlp = layer.self_attn, layer.mlp
-        for norm_module, name in _layer_norms(layer, i):
-            norm(norm_module, name, h)
-        if attn.q_norm is not None:
-            assert attn.k_norm is not None  # set together in Attention.__init__
-            norm(attn.q_norm, f"blk.{i}.attn_q_norm.weight", mc.head_dim)
-            norm(attn.k_norm, f"blk.{i}.attn_k_norm.weight", mc.head_dim)
-        attn.qkv_proj = linear(loader.projections(i, "qkv"), loader.bias(i, "qkv") if mc.attention_bias else None)
-        attn.o_proj = linear(loader.projections(i, "o"), None)
-        mlp.gate_up_proj = linear(loader.projections(i, "gate_up"), loader.bias(i, "gate_up") if mc.mlp_bias else None)
-        mlp.down_proj = linear(loader.projections(i, "down"), loader.bias(i, "down") if mc.mlp_bias else None)
-        if progress is not None:
-            progress(i + 1, total)
-    head_name = "token_embd.weight" if mc.tie_word_embeddings else "output.weight"
-    model.quantized_lm_head = linear([(head_name, mc.vocab_size, None)], None)
+        attn, mlp, w = layer.self_attn, layer.mlp, weights.layer(ext, i)
+        set_norm(layer.input_layernorm, w.input_norm)
+        set_norm(layer.mlp_input_norm, w.mlp_in_norm)
+        set_norm(attn.q_norm, w.q_norm)
+        set_norm(attn.k_norm, w.k_norm)
+        if isinstance(layer, GemmaDecoderLayer):
+            set_norm(layer.post_attention_layernorm, w.attn_out_norm)
+            set_norm(layer.post_feedforward_layernorm, w.mlp_out_norm)
+        attn.qkv_proj, attn.o_proj = _torch_linear(w.qkv, ext), _torch_linear(w.o, ext)
+        mlp.gate_up_proj, mlp.down_proj = _torch_linear(w.gate_up, ext), _torch_linear(w.down, ext)
+    model.quantized_lm_head = _torch_linear(weights.lm_head(ext), ext)
     model.lm_head = None
     # Stands in for nn.Embedding (num_embeddings, embedding_dim, forward); no .weight, and none is needed:
     # the LM head is quantized_lm_head.
@@ -194,3 +159,17 @@ def load_gguf_native(
     model.build_rope(dtype, device)
     model.eval()
     return model
+
+
+def _torch_linear(weights: LinearWeights, ext: ModuleType) -> nn.Module:
+    """Our block-quantized layer over the packed arrays (shared, not copied), or a float one."""
+    bias = None if weights.bias is None else _torch(weights.bias)
+    if weights.packed is not None:
+        parts = [PackedPart(_torch(packed), kind, rows) for packed, kind, rows in weights.packed]
+        return BlockQuantLinear(parts, weights.in_features, bias, ext)
+    assert weights.dense is not None  # LinearWeights holds one or the other
+    dense = nn.Linear(weights.in_features, weights.out_features, bias=bias is not None, device="meta")
+    dense.weight = nn.Parameter(_torch(weights.dense), requires_grad=False)
+    if bias is not None:
+        dense.bias = nn.Parameter(bias, requires_grad=False)
+    return dense

@@ -8,13 +8,18 @@ projections' parts found by name, and projections repacked into our kernels' til
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE, TILE, TILE_BYTES, block_inputs
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
+
+log = logging.getLogger(__name__)
 
 # GGUF types our kernels run as they are (csrc/gguf_repack.cpp says into which packed kind).
 NATIVE_TYPES = frozenset(KIND_FOR_GGUF_TYPE)
@@ -25,6 +30,40 @@ Projection = list[tuple[str, int, int | None]]
 
 PackedWeight = tuple[np.ndarray, int, int]
 """One packing of a projection: (uint8 [tiles, blocks, tile bytes], kind, real output rows)."""
+
+
+@dataclass
+class LinearWeights:
+    """A projection (its fused parts side by side): packed where our kernels take every part's type,
+    else de-quantised to float32 rows."""
+
+    in_features: int
+    out_features: int
+    packed: list[PackedWeight] | None
+    dense: np.ndarray | None  # float32 [out, in] when not packed
+    bias: np.ndarray | None
+
+    def spec(self) -> dict[str, Any]:
+        """The C++ layer loop's description of it (CpuModel.add_layer / set_head)."""
+        if self.packed is not None:
+            return {"parts": self.packed, "bias": self.bias}
+        return {"weight": self.dense, "bias": self.bias}
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights, named by role (the torch model and the C++ loop take these)."""
+
+    input_norm: np.ndarray
+    mlp_in_norm: np.ndarray  # the norm whose output the MLP reads
+    q_norm: np.ndarray | None  # Qwen3 and Gemma 3
+    k_norm: np.ndarray | None
+    qkv: LinearWeights
+    o: LinearWeights
+    gate_up: LinearWeights
+    down: LinearWeights
+    attn_out_norm: np.ndarray | None  # Gemma: each block's output is normed before the residual
+    mlp_out_norm: np.ndarray | None
 
 
 def dequantize_rows(tensor: GGUFTensor, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
@@ -105,6 +144,49 @@ class GGUFWeights:
             tensor = self.raw(full, heads) if heads else self.gguf.tensor(full)
             parts.append(dequantize_rows(tensor).reshape(rows))
         return np.concatenate(parts)
+
+    def layer(self, ext: ModuleType, i: int) -> LayerWeights:
+        """Layer ``i``'s weights. llama.cpp's Gemma files store the norm weights with the 1 already
+        added, which is what our norms multiply by."""
+        mc, p, h = self.mc, f"blk.{i}.", self.mc.hidden_size
+
+        def norm(name: str, size: int = h) -> np.ndarray:
+            return self.floats(p + name, (size,))
+
+        def linear(kind: str, has_bias: bool) -> LinearWeights:
+            return self.linear(ext, self.projections(i, kind), self.bias(i, kind) if has_bias else None)
+
+        return LayerWeights(
+            input_norm=norm("attn_norm.weight"),
+            mlp_in_norm=norm("ffn_norm.weight"),
+            q_norm=norm("attn_q_norm.weight", mc.head_dim) if mc.qk_norm else None,
+            k_norm=norm("attn_k_norm.weight", mc.head_dim) if mc.qk_norm else None,
+            qkv=linear("qkv", mc.attention_bias),
+            o=linear("o", False),
+            gate_up=linear("gate_up", mc.mlp_bias),
+            down=linear("down", mc.mlp_bias),
+            attn_out_norm=norm("post_attention_norm.weight") if mc.is_gemma else None,
+            mlp_out_norm=norm("post_ffw_norm.weight") if mc.is_gemma else None,
+        )
+
+    def lm_head(self, ext: ModuleType) -> LinearWeights:
+        """The LM head: the embeddings themselves where the model ties them."""
+        name = "token_embd.weight" if self.mc.tie_word_embeddings else "output.weight"
+        return self.linear(ext, [(name, self.mc.vocab_size, None)], None)
+
+    def linear(self, ext: ModuleType, parts: Projection, bias: np.ndarray | None) -> LinearWeights:
+        """A projection packed in the file's own types, or de-quantised where our kernels lack one."""
+        tensors = self.checked_tensors(parts)
+        k, n = tensors[0].shape[-1], sum(rows for _name, rows, _heads in parts)
+        if all(t.type_name in NATIVE_TYPES for t in tensors):
+            return LinearWeights(k, n, self.repack(ext, parts, tensors), None, bias)
+        log.info(
+            "%s: %s is not a type our kernels run; de-quantised to float32",
+            parts[0][0],
+            "/".join(sorted({t.type_name for t in tensors})),
+        )
+        dense = np.concatenate([self.floats(name, (rows, k), heads) for name, rows, heads in parts])
+        return LinearWeights(k, n, None, dense, bias)
 
     def checked_tensors(self, parts: Projection) -> list[GGUFTensor]:
         """The parts' tensors, each checked to be [rows, K] with one K."""
