@@ -29,7 +29,7 @@ GGUF_BYTES_PER_PARAMETER_GUESS = 0.61
 KV_BYTES_PER_VALUE = 2
 # The smallest context worth running with: one 2k-token conversation.
 MIN_KV_TOKENS = 2048
-# The engine's own working memory beside weights and cache (model_runner.WORKING_MEMORY_BYTES).
+# The engine's own working memory beside weights and cache (step_inputs.WORKING_MEMORY_BYTES).
 WORKING_BYTES = 512 << 20
 # The engine gives its KV pool at most this share of what is left beside the weights (KV_SHARE_OF_FREE).
 KV_SHARE = 0.5
