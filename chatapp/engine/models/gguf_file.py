@@ -81,7 +81,8 @@ class _HeaderReader:
     def strings(self, count: int) -> list[str]:
         """``count`` strings in a row (a vocabulary, merges): string() with the loop's lookups hoisted,
         ~3x faster over the 100k strings of a tokenizer build."""
-        buf, pos, unpack, out = self.buf, self.pos, _U64.unpack_from, []
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        out: list[str] = []
         append = out.append
         try:
             for _ in range(count):
