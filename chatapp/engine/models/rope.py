@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from chatapp.engine.models.rope_arrays import attention_scaling
+from chatapp.engine.models.rope_arrays import attention_scaling, yarn_ramp
 
 
 def inverse_frequencies(
@@ -50,18 +50,7 @@ def _yarn_inverse_frequencies(rotary_dim: int, theta: float, scaling: dict[str, 
     """YaRN (Qwen's long-context setting): pairs that turn fast keep their frequency, slow ones are
     interpolated by the factor, with a linear ramp between (the dimension range from beta_fast/slow)."""
     factor = float(scaling["factor"])
-    original = int(scaling["original_max_position_embeddings"])
-    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
-
-    def correction_dim(rotations: float) -> float:
-        return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rotary_dim - 1)
-    if low == high:
-        high += 0.001
+    low, high = yarn_ramp(rotary_dim, theta, scaling)
     ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     keep = 1 - ramp  # the share of each pair's original (extrapolated) frequency
     pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)

@@ -65,8 +65,10 @@ def inverse_frequencies(
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
-def _yarn(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
-    factor = float(scaling["factor"])
+def yarn_ramp(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[float, float]:
+    """YaRN's (low, high) pair indices: pairs below low keep their frequency (they turn fast), pairs
+    above high are interpolated by the factor, with a linear ramp between (from beta_fast/slow).
+    Plain numbers, shared by both tables (rope.py's too)."""
     original = int(scaling["original_max_position_embeddings"])
     beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
 
@@ -79,6 +81,12 @@ def _yarn(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
+    return low, high
+
+
+def _yarn(rotary_dim: int, theta: float, scaling: dict[str, Any]) -> np.ndarray:
+    factor = float(scaling["factor"])
+    low, high = yarn_ramp(rotary_dim, theta, scaling)
     ramp = np.clip((np.arange(rotary_dim // 2, dtype=F32) - F32(low)) / F32(high - low), 0, 1)
     keep = 1 - ramp
     pos_freqs = _power(theta, np.arange(0, rotary_dim, 2).astype(F32) / F32(rotary_dim))
