@@ -409,3 +409,33 @@ def test_the_float_path_loads_a_gguf_file_into_bfloat16_tensor_by_tensor(gguf_di
     assert torch.equal(model.layers[1].mlp.gate_up_proj.weight[512:], up.bfloat16())
     out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+def test_our_ggml_type_table_matches_the_gguf_packages() -> None:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from chatapp.engine.models.ggml_types import GGML_TYPES
+
+    theirs = {int(q.value): (q.name, *GGML_QUANT_SIZES[q]) for q in GGMLQuantizationType if q in GGML_QUANT_SIZES}
+    ours = {type_id: tuple(t) for type_id, t in GGML_TYPES.items()}
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("type_name", ["F32", "F16", "BF16"])
+def test_float_tensors_are_converted_as_the_gguf_package_does(type_name: str) -> None:
+    from chatapp.engine.models.gguf_file import GGUFTensor
+    from chatapp.engine.models.gguf_weights import dequantize_rows
+
+    qtype = GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2**8, size=(5, 64 * (4 if type_name == "F32" else 2)), dtype=np.uint8)
+    if type_name != "F32":  # no NaN patterns: NaN != NaN would hide a real difference
+        halves = bits.view(np.uint16)
+        halves &= np.uint16(0xBFFF)
+    else:
+        bits.view(np.uint32)[...] &= np.uint32(0xBFFFFFFF)
+    tensor = GGUFTensor("t", type_name, int(qtype.value), (5, 64), bits, 0)
+    ours = dequantize_rows(tensor, np.array([3, 0, 3]))
+    theirs = np.asarray(quants.dequantize(bits[[3, 0, 3]], qtype), dtype=np.float32)
+    assert ours.dtype == np.float32 and ours.shape == (3, 64)
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from chatapp.engine.models.config import SOFTCAP_FIELDS, ModelConfig, UnsupportedModelError, optional_float
+from chatapp.engine.models.ggml_types import GGML_TYPES
 
 # GGUF `general.architecture` -> the Hugging Face architecture our forward runs for it.
 GGUF_ARCHITECTURES = {
@@ -179,8 +180,6 @@ class GGUFModelFile:
     """
 
     def __init__(self, path: Path | str) -> None:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
@@ -195,11 +194,10 @@ class GGUFModelFile:
         self._data = np.frombuffer(self._mmap, dtype=np.uint8)
         self.tensors: dict[str, GGUFTensor] = {}
         for name, dims, type_id, offset in tensor_table:
-            try:
-                qtype = GGMLQuantizationType(type_id)
-                block, block_bytes = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise GGUFError(f"{self.path.name}: tensor {name} has unknown type {type_id}") from None
+            qtype = GGML_TYPES.get(type_id)
+            if qtype is None:
+                raise GGUFError(f"{self.path.name}: tensor {name} has unknown type {type_id}")
+            block, block_bytes = qtype.block_weights, qtype.block_bytes
             shape = tuple(int(n) for n in reversed(dims)) or (1,)
             columns = shape[-1]
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
