@@ -309,3 +309,11 @@ def test_a_forked_child_computes_without_its_parents_workers(ext) -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_torch_version_read_without_importing_torch_is_its_installed_version() -> None:
+    import importlib.metadata
+
+    from chatapp.engine import kernel_build
+
+    assert kernel_build.torch_version() == importlib.metadata.version("torch") == torch.__version__

@@ -151,8 +151,9 @@ class EngineServer:
         while self.stop_reason is None:
             busy = self._has_work()
             started = time.perf_counter()
-            waiting = self.loader is not None or any(s.state == "queued" for s in self.slots.values())
-            timeout_ms = 0 if busy else (50 if waiting else 500)
+            # A finished load is noticed within 5 ms (it is on every start's path to "ready").
+            waiting = any(s.state == "queued" for s in self.slots.values())
+            timeout_ms = 0 if busy else (5 if self.loader is not None else 50 if waiting else 500)
             if self.sock.poll(timeout_ms):
                 self._drain()
             if self.loader is not None and not self.loader.is_alive():
