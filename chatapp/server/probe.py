@@ -6,8 +6,6 @@ window serves it, on the same engine" from "another program holds the port".
 
 from __future__ import annotations
 
-import httpx
-
 SERVER_NAME = "chatapp"
 """What /health says in its ``server`` field (the probe below looks for it)."""
 
@@ -25,6 +23,8 @@ def base_url(host: str, port: int) -> str:
 async def chatapp_api_at(host: str, port: int) -> str | None:
     """The base URL when chatapp's API answers /health at ``host:port``, else None (nothing there,
     or another program: anything that is not our /health's JSON)."""
+    import httpx  # here: ~50 ms of every server's start otherwise, for a probe made only when a port is taken
+
     url = base_url(host, port)
     try:
         async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False) as http:

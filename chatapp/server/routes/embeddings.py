@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import base64
+import struct
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Depends, Request
 
 from chatapp.server import generation as gen
@@ -20,7 +20,7 @@ MAX_INPUTS = 256
 
 def encode_base64(vector: list[float]) -> str:
     """The openai SDK's default wire form: little-endian float32 bytes, base64-encoded."""
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 @router.post(
