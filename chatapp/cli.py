@@ -69,10 +69,23 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
     register(sub)
 
 
+def _prestart_engine() -> None:
+    """The TUI and `chatapp serve` start the engine process first, so its imports run while theirs do."""
+    from chatapp import paths
+    from chatapp.engine import prestart
+
+    try:
+        prestart.start(paths.runtime_dir())
+    except OSError:  # no runtime directory: the client says so when it tries to spawn
+        return
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
+    if handler is None or getattr(args, "starts_engine", False):
+        _prestart_engine()
     try:
         if handler is not None:
             log_to_terminal(args.verbose)

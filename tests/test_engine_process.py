@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 
 from chatapp import paths
-from chatapp.engine import LLM, SamplingParams, ipc
+from chatapp.engine import LLM, SamplingParams, ipc, prestart
 from chatapp.engine.api import EngineBusyError, EngineDeadError, EngineState, EngineStats, InvalidRequestError
 from chatapp.engine.client import AsyncEngineClient, EngineModelMismatchError
 from chatapp.engine.config import EngineConfig
@@ -570,3 +570,42 @@ async def test_a_damaged_gguf_file_fails_the_switch_and_the_engine_goes_on(
         assert deltas[-1].finish_reason == "length"
     finally:
         await client.close()
+
+
+# -- 4. an engine started ahead of its client (prestart.py) ---------------------------------------
+
+
+async def test_a_prestarted_engine_is_the_one_the_client_spawns(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    runtime = tmp_path_factory.mktemp("rt-pre")
+    os.chmod(runtime, 0o700)
+    waiting = prestart.start(runtime)
+    assert waiting is not None and prestart.start(runtime) is None  # one at a time
+    c = await AsyncEngineClient.connect(EngineConfig(**engine_config(tiny_model)), runtime_dir=runtime)
+    try:
+        assert c.spawned_engine and c.engine_pid == waiting.pid
+        deltas = [d async for d in c.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))]
+        assert sum(len(d.token_ids) for d in deltas) == 4
+    finally:
+        await c.close()
+    assert await asyncio.to_thread(waiting.wait, 60) == 0
+
+
+async def test_a_prestarted_engine_leaves_when_the_client_attaches_to_a_running_one(
+    client: AsyncEngineClient, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    assert prestart.start(paths.runtime_dir()) is None  # an engine runs there: nothing is started
+    runtime = tmp_path_factory.mktemp("rt-pre2")
+    os.chmod(runtime, 0o700)
+    waiting = prestart.start(runtime)
+    assert waiting is not None
+    # A client of the running engine (another runtime directory) finds its record and attaches:
+    # the waiting engine is let go, exits on its closed stdin and never writes a record.
+    other = await AsyncEngineClient.connect(EngineConfig(**engine_config(tiny_model)))
+    try:
+        assert not other.spawned_engine
+        assert await asyncio.to_thread(waiting.wait, 60) == 0
+        assert ipc.read_record(runtime) is None
+    finally:
+        await other.close()

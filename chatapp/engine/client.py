@@ -57,7 +57,7 @@ import zmq
 import zmq.asyncio
 
 from chatapp import paths
-from chatapp.engine import ipc
+from chatapp.engine import ipc, prestart
 from chatapp.engine.api import (
     EngineBusyError,
     EngineDeadError,
@@ -585,6 +585,7 @@ class AsyncEngineClient:
                 record = await self._spawn(runtime)
                 self.spawned_engine = True
             else:
+                prestart.dismiss()
                 self.spawned_engine = False
                 self._popen = None
                 if record.model != wanted:
@@ -608,27 +609,23 @@ class AsyncEngineClient:
         """Start the engine process and wait until it has bound its socket and written its record."""
         self._set_state(EngineState.STARTING, "starting the engine process")
         log_path = runtime / ipc.LOG_FILE
-        _rotate(log_path)
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            self._popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "chatapp.engine.launch",
-                    "--config",
-                    ipc.config_to_json(self.config),
-                    "--runtime-dir",
-                    str(runtime),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log_fd,
-                stderr=log_fd,
-                start_new_session=True,
-                close_fds=True,
-            )
-        finally:
-            os.close(log_fd)
+        config_json = ipc.config_to_json(self.config)
+        self._popen = prestart.take(runtime, config_json)  # started by the CLI, its imports done or under way
+        if self._popen is None:
+            _rotate(log_path)
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                self._popen = subprocess.Popen(
+                    [sys.executable, "-m", "chatapp.engine.launch"]
+                    + ["--config", config_json, "--runtime-dir", str(runtime)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_fd,
+                    stderr=log_fd,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            finally:
+                os.close(log_fd)
         log.info("spawned engine pid %d", self._popen.pid)
         while True:
             record = ipc.read_record(runtime)

@@ -1,10 +1,11 @@
 """The engine process's entry point (``python -m chatapp.engine.launch``, started by client.py): work that
 can begin before the engine's own imports, then the engine (process.py).
 
-Why: importing the engine (torch above all) takes ~1.3 s on one core. A GGUF model's first start also
-builds its tokenizer files (~1.7 s of transformers), which used to begin only after the weights had
-loaded; started here, in a process of its own, the build runs on another core while this one imports.
-This module imports nothing heavy before handing over.
+Why: a GGUF model's first start builds its tokenizer files (~1.2 s of transformers), which used to begin
+only after the weights had loaded; started here, in a process of its own, the build runs on another
+core while this one imports the engine and loads the weights.
+A client may start this process before it knows the config (prestart.py): then the engine's imports
+come first and the config arrives on stdin. This module imports nothing heavy before handing over.
 """
 
 from __future__ import annotations
@@ -13,12 +14,29 @@ import argparse
 import json
 import sys
 
+from chatapp.engine import prestart
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if prestart.CONFIG_FROM_STDIN in argv:  # started ahead of its client (prestart.py)
+        return _run_prestarted([a for a in argv if a != prestart.CONFIG_FROM_STDIN])
     _start_tokenizer_build(argv)
     from chatapp.engine.process import main as run_engine
 
+    return run_engine(argv)
+
+
+def _run_prestarted(argv: list[str]) -> int:
+    """Import the engine first, then wait for the config on stdin; no config (the client attached to a
+    running engine, or died) means there is nothing to do."""
+    from chatapp.engine.process import main as run_engine
+
+    config = sys.stdin.buffer.read().decode()
+    if not config.strip():
+        return 0
+    argv = ["--config", config, *argv]
+    _start_tokenizer_build(argv)
     return run_engine(argv)
 
 
