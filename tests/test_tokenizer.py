@@ -292,3 +292,88 @@ def test_a_think_block_the_prompt_opened_is_not_opened_twice_when_continued(pair
         "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n<think>\n"
         "Short answer wanted.\n</think>\n\nRayleigh scattering makes"
     )
+
+
+# -- byte-level GGUF tokenizers written without transformers (gguf_tokenizer.py) ---------------------
+
+
+def _tokenizer_only_gguf(path: Path, **changes: object) -> Path:
+    """A GGUF file with the bundled tokenizer's metadata (and no tensors), some fields changed:
+    ``pre``, ``add_bos``/``add_eos``, ``user_defined`` (a token id to mark type 4), ``raw_token``
+    ((id, text): a token spelled in plain UTF-8), ``model`` (the tokenizer kind)."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    from tests.gguf_models import bundled_tokenizer_fields
+
+    fields = dict(bundled_tokenizer_fields())
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    for key, (value, main, sub) in fields.items():
+        if key == "tokenizer.ggml.pre" and "pre" in changes:
+            value = changes["pre"]
+        if key == "tokenizer.ggml.model" and "model" in changes:
+            value = changes["model"]
+        if key == "tokenizer.ggml.add_bos_token" and "add_bos" in changes:
+            value = changes["add_bos"]
+        if key == "tokenizer.ggml.token_type" and "user_defined" in changes:
+            value = list(value)
+            value[int(changes["user_defined"])] = 4  # type: ignore[call-overload]
+        if key == "tokenizer.ggml.tokens" and "raw_token" in changes:
+            index, text = changes["raw_token"]  # type: ignore[misc]
+            value = list(value)
+            value[index] = text
+        writer.add_key_value(key, value, main, sub_type=sub)
+    if "add_eos" in changes:
+        writer.add_key_value("tokenizer.ggml.add_eos_token", changes["add_eos"], GGUFValueType.BOOL)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+VARIANTS = {
+    "bundled": {},
+    "llama3-split-with-bos": {"pre": "llama-bpe", "add_bos": True},
+    "qwen2-split-with-eos": {"pre": "qwen2", "add_eos": True},
+    "bos-and-eos": {"add_bos": True, "add_eos": True},
+    "user-defined-token": {"user_defined": 5000},
+    "control-token-in-plain-utf8": {"raw_token": (16, "→ arrow")},  # a mislabel: not made special
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_byte_level_gguf_tokenizer_files_match_transformers_build(variant: str, tmp_path: Path) -> None:
+    from chatapp.engine.gguf_tokenizer import write_byte_level_tokenizer
+
+    gguf = _tokenizer_only_gguf(tmp_path / f"{variant}.gguf", **VARIANTS[variant])
+    assert write_byte_level_tokenizer(gguf, tmp_path / "ours")
+    tokenizer_module._gguf_tokenizer_quickly(gguf).save_pretrained(str(tmp_path / "theirs"))
+    ours, theirs = (json.loads((tmp_path / d / "tokenizer.json").read_text()) for d in ("ours", "theirs"))
+    assert ours == theirs
+    assert (tmp_path / "ours" / "chat_template.jinja").read_text() == (
+        tmp_path / "theirs" / "chat_template.jinja"
+    ).read_text()
+    a, b = TextTokenizer(tmp_path / "ours"), TextTokenizer(tmp_path / "theirs")
+    assert a.special_tokens == b.special_tokens
+    hf = load_hf_tokenizer(gguf)
+    for text in TEXTS + ["12345678 digits, 'LL and 'S", "→ arrow x", "nowhere\r\n\r\n  \tend"]:
+        assert a.encode(text) == hf.encode(text), text
+        assert a.decode(a.encode(text)) == hf.decode(hf.encode(text))
+    for conversation in CONVERSATIONS:
+        assert a.apply_chat_template(conversation) == hf.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"model": "llama"}, {"pre": "deepseek-llm"}, {"raw_token": (7000, "→ arrow")}],
+    ids=["sentencepiece", "other-split", "merges-naming-a-missing-token"],
+)
+def test_other_gguf_tokenizers_are_left_to_transformers(changes: dict, tmp_path: Path) -> None:
+    from chatapp.engine.gguf_tokenizer import write_byte_level_tokenizer
+
+    gguf = _tokenizer_only_gguf(tmp_path / "other.gguf", **changes)
+    assert not write_byte_level_tokenizer(gguf, tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()
