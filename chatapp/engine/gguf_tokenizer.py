@@ -115,7 +115,10 @@ def _backend(tokens: list[str], merges: list[str], types: list[int], pre: str, n
         token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
         for index, token in enumerate(tokens)
     }
-    pairs = [tuple(merge.split(" ")) for merge in merges]
+    pairs: list[tuple[str, str]] = []
+    for merge in merges:
+        left, right = merge.split(" ")  # a merge of other than two parts: ValueError (left to transformers)
+        pairs.append((left, right))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix=""))
     split = _SPLITS.get(pre)
     if split is None:
