@@ -612,7 +612,7 @@ class AsyncEngineClient:
         config_json = ipc.config_to_json(self.config)
         self._popen = prestart.take(runtime, config_json)  # started by the CLI, its imports done or under way
         if self._popen is None:
-            _rotate(log_path)
+            prestart.rotate_log(log_path)
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             try:
                 self._popen = subprocess.Popen(
@@ -918,13 +918,6 @@ def _alive(proc: psutil.Process, popen: subprocess.Popen[bytes] | None) -> bool:
 def _log_send_failure(future: asyncio.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.warning("sending to the engine failed: %s", future.exception())
-
-
-def _rotate(log_path: Path, max_bytes: int = 5 * 2**20) -> None:
-    """Keep one previous engine log; called under the discovery lock, with no engine running."""
-    with contextlib.suppress(OSError):
-        if log_path.stat().st_size > max_bytes:
-            log_path.replace(log_path.with_name(log_path.name + ".1"))
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -31,6 +31,7 @@ def start(runtime: Path) -> subprocess.Popen[bytes] | None:
     global _waiting
     if _waiting is not None or (runtime / DISCOVERY_FILE).exists():
         return None
+    rotate_log(runtime / LOG_FILE)
     log_fd = os.open(runtime / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         proc = subprocess.Popen(
@@ -47,6 +48,13 @@ def start(runtime: Path) -> subprocess.Popen[bytes] | None:
         os.close(log_fd)
     _waiting = (runtime, proc)
     return proc
+
+
+def rotate_log(log_path: Path, max_bytes: int = 5 * 2**20) -> None:
+    """Keep one previous engine log (engine.log.1), before an engine is started with no engine running."""
+    with contextlib.suppress(OSError):
+        if log_path.stat().st_size > max_bytes:
+            log_path.replace(log_path.with_name(log_path.name + ".1"))
 
 
 def take(runtime: Path, config_json: str) -> subprocess.Popen[bytes] | None:
