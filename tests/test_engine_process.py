@@ -611,11 +611,11 @@ async def test_a_prestarted_engine_leaves_when_the_client_attaches_to_a_running_
         await other.close()
 
 
-def test_a_prestart_keeps_one_previous_engine_log(tmp_path: Path) -> None:
+async def test_a_prestart_keeps_one_previous_engine_log(tmp_path: Path) -> None:
     (tmp_path / ipc.LOG_FILE).write_bytes(b"x" * (5 * 2**20 + 1))
     waiting = prestart.start(tmp_path)
     assert waiting is not None
     prestart.dismiss()
-    assert waiting.wait(60) == 0
+    assert await asyncio.to_thread(waiting.wait, 60) == 0
     assert (tmp_path / f"{ipc.LOG_FILE}.1").stat().st_size == 5 * 2**20 + 1
     assert (tmp_path / ipc.LOG_FILE).stat().st_size < 2**20  # a fresh log for the new engine
