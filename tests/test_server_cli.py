@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
 from chatapp.cli import build_parser
+from chatapp.engine import ipc, prestart
 from chatapp.server import cli as serve_cli
 from chatapp.server.run import exposure_warning
 
@@ -101,6 +103,9 @@ def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, t
         while httpx.get(f"{url}/health").status_code != 200:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.25)
+        # The engine is the one `chatapp serve` started before its own imports (prestart.py).
+        record = ipc.read_record(tmp_path / "runtime")
+        assert record is not None and prestart.CONFIG_FROM_STDIN in psutil.Process(record.pid).cmdline()
         sdk = OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
         answer = sdk.chat.completions.create(
             model=tiny_llama.name, max_tokens=3, messages=[{"role": "user", "content": "hi"}]
