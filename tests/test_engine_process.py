@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import pytest_asyncio
 
@@ -605,14 +606,33 @@ async def test_a_prestarted_engine_leaves_when_the_client_attaches_to_a_running_
     other = await AsyncEngineClient.connect(EngineConfig(**engine_config(tiny_model)))
     try:
         assert not other.spawned_engine
-        assert await asyncio.to_thread(waiting.wait, 60) == 0
+        deadline = time.monotonic() + 60  # gone, not a zombie: the client reaps it without being asked
+        while psutil.pid_exists(waiting.pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not psutil.pid_exists(waiting.pid) and waiting.returncode == 0
         assert ipc.read_record(runtime) is None
     finally:
         await other.close()
 
 
+async def test_prestart_names_the_files_ipc_does() -> None:
+    assert (prestart.DISCOVERY_FILE, prestart.LOCK_FILE, prestart.LOG_FILE) == (
+        ipc.DISCOVERY_FILE,
+        ipc.LOCK_FILE,
+        ipc.LOG_FILE,
+    )
+
+
 async def test_a_prestart_keeps_one_previous_engine_log(tmp_path: Path) -> None:
     (tmp_path / ipc.LOG_FILE).write_bytes(b"x" * (5 * 2**20 + 1))
+    lock = ipc.DiscoveryLock(tmp_path)  # another client spawning: its engine's log is left alone
+    assert lock.try_acquire()
+    waiting = prestart.start(tmp_path)
+    lock.release()
+    assert waiting is not None
+    prestart.dismiss()
+    assert await asyncio.to_thread(waiting.wait, 60) == 0
+    assert not (tmp_path / f"{ipc.LOG_FILE}.1").exists()
     waiting = prestart.start(tmp_path)
     assert waiting is not None
     prestart.dismiss()

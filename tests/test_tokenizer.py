@@ -299,7 +299,7 @@ def test_a_think_block_the_prompt_opened_is_not_opened_twice_when_continued(pair
 
 def _tokenizer_only_gguf(path: Path, **changes: object) -> Path:
     """A GGUF file with the bundled tokenizer's metadata (and no tensors), some fields changed:
-    ``pre``, ``add_bos``/``add_eos``, ``user_defined`` (a token id to mark type 4), ``raw_token``
+    ``pre``, ``add_bos``/``add_eos``, ``types`` ({token id: llama.cpp token type}), ``drop`` (keys), ``raw_token``
     ((id, text): a token spelled in plain UTF-8), ``model`` (the tokenizer kind)."""
     from gguf import GGUFValueType, GGUFWriter
 
@@ -309,15 +309,18 @@ def _tokenizer_only_gguf(path: Path, **changes: object) -> Path:
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     for key, (value, main, sub) in fields.items():
+        if key in changes.get("drop", ()):  # type: ignore[operator]
+            continue
         if key == "tokenizer.ggml.pre" and "pre" in changes:
             value = changes["pre"]
         if key == "tokenizer.ggml.model" and "model" in changes:
             value = changes["model"]
         if key == "tokenizer.ggml.add_bos_token" and "add_bos" in changes:
             value = changes["add_bos"]
-        if key == "tokenizer.ggml.token_type" and "user_defined" in changes:
+        if key == "tokenizer.ggml.token_type" and "types" in changes:
             value = list(value)
-            value[int(changes["user_defined"])] = 4  # type: ignore[call-overload]
+            for index, kind in changes["types"].items():  # type: ignore[attr-defined]
+                value[index] = kind
         if key == "tokenizer.ggml.tokens" and "raw_token" in changes:
             index, text = changes["raw_token"]  # type: ignore[misc]
             value = list(value)
@@ -337,8 +340,10 @@ VARIANTS = {
     "llama3-split-with-bos": {"pre": "llama-bpe", "add_bos": True},
     "qwen2-split-with-eos": {"pre": "qwen2", "add_eos": True},
     "bos-and-eos": {"add_bos": True, "add_eos": True},
-    "user-defined-token": {"user_defined": 5000},
+    "user-defined-token": {"types": {5000: 4}},
     "control-token-in-plain-utf8": {"raw_token": (16, "→ arrow")},  # a mislabel: not made special
+    # Neither control nor named: made special anyway, as transformers does.
+    "endoftext-as-a-normal-token": {"types": {0: 1}, "drop": ("tokenizer.ggml.unknown_token_id",)},
 }
 
 
@@ -377,3 +382,21 @@ def test_other_gguf_tokenizers_are_left_to_transformers(changes: dict, tmp_path:
     gguf = _tokenizer_only_gguf(tmp_path / "other.gguf", **changes)
     assert not write_byte_level_tokenizer(gguf, tmp_path / "ours")
     assert not (tmp_path / "ours").exists()
+
+
+def test_a_vocabulary_without_gpt2s_end_of_text_gets_no_extra_token(tmp_path: Path) -> None:
+    """The one difference from transformers' build (a Llama 3 vocabulary has no <|endoftext|>): it adds
+    that token one id past the model's vocabulary; we add nothing the model has no embedding for."""
+    from chatapp.engine.gguf_tokenizer import GPT2_END_OF_TEXT, write_byte_level_tokenizer
+
+    gguf = _tokenizer_only_gguf(tmp_path / "l3.gguf", pre="llama-bpe", add_bos=True, raw_token=(0, "<|end_of_text|>"))
+    assert write_byte_level_tokenizer(gguf, tmp_path / "ours")
+    tokenizer_module._gguf_tokenizer_quickly(gguf).save_pretrained(str(tmp_path / "theirs"))
+    ours, theirs = (json.loads((tmp_path / d / "tokenizer.json").read_text()) for d in ("ours", "theirs"))
+    invented = [t for t in theirs["added_tokens"] if t["content"] == GPT2_END_OF_TEXT]
+    assert [t["id"] for t in invented] == [len(ours["model"]["vocab"])]  # past the model's vocabulary
+    theirs["added_tokens"].remove(invented[0])
+    assert ours == theirs
+    assert GPT2_END_OF_TEXT not in ours["model"]["vocab"]
+    a = TextTokenizer(tmp_path / "ours")
+    assert len(a) == len(ours["model"]["vocab"]) and max(a.encode(f"x{GPT2_END_OF_TEXT}y")) < len(a)

@@ -7,8 +7,9 @@ SmolLM, Llama 3, Qwen 2 and 3) is a vocabulary, merges, a split rule and a byte 
 module writes directly in ~0.2 s. Every other kind (SentencePiece, unigram), and a byte-level file
 whose split rule (`tokenizer.ggml.pre`) is not one named here, is left to transformers.
 
-The files match transformers' build of the same GGUF file field for field; tests/test_tokenizer.py
-compares the two on the bundled model and on variants of it.
+The files match transformers' build of the same GGUF file field for field, but for one token
+transformers invents (see _backend); tests/test_tokenizer.py compares the two on the bundled model and
+on variants of it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ _SPLITS = {
 }
 _GPT2_SPLIT_PRES = frozenset({"", "default", "gpt-2", "gpt2", "smollm"})
 """Split rules that are GPT-2's own (the byte-level pre-tokenizer's built-in regex)."""
+
+GPT2_END_OF_TEXT = "<|endoftext|>"
 
 _NAMED_SPECIAL = {
     "bos_token": "tokenizer.ggml.bos_token_id",
@@ -137,6 +140,12 @@ def _backend(tokens: list[str], merges: list[str], types: list[int], pre: str, n
     # kept whole but are not special.
     special = [t for t, kind in zip(tokens, types) if kind == _CONTROL and set(t) <= alphabet]
     special += [t for t in named.values() if t is not None and t not in special]
+    # transformers' byte-level tokenizer class takes GPT-2's <|endoftext|> as its default special token,
+    # so its build makes it special whatever the file says. Where the vocabulary lacks it (Llama 3),
+    # transformers adds it as one id past the model's vocabulary; we do not add a token the model has
+    # no embedding for (the one difference from its files; tests/test_tokenizer.py shows it).
+    if GPT2_END_OF_TEXT in vocab and GPT2_END_OF_TEXT not in special:
+        special.append(GPT2_END_OF_TEXT)
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in special])
     user_defined = [t for t, kind in zip(tokens, types) if kind == _USER_DEFINED and t in vocab]
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user_defined])

@@ -12,12 +12,15 @@ This module imports nothing heavy: it runs before the client's imports.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 DISCOVERY_FILE = "engine.json"  # ipc.DISCOVERY_FILE (not imported: ipc loads msgspec)
+LOCK_FILE = "engine.lock"  # ipc.LOCK_FILE
 LOG_FILE = "engine.log"  # ipc.LOG_FILE
 CONFIG_FROM_STDIN = "--config-stdin"
 
@@ -31,7 +34,7 @@ def start(runtime: Path) -> subprocess.Popen[bytes] | None:
     global _waiting
     if _waiting is not None or (runtime / DISCOVERY_FILE).exists():
         return None
-    rotate_log(runtime / LOG_FILE)
+    _rotate_unless_spawning(runtime)
     log_fd = os.open(runtime / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         proc = subprocess.Popen(
@@ -55,6 +58,22 @@ def rotate_log(log_path: Path, max_bytes: int = 5 * 2**20) -> None:
     with contextlib.suppress(OSError):
         if log_path.stat().st_size > max_bytes:
             log_path.replace(log_path.with_name(log_path.name + ".1"))
+
+
+def _rotate_unless_spawning(runtime: Path) -> None:
+    """rotate_log, unless another client holds the discovery lock: it may be spawning an engine that
+    writes to the current log (and reads its tail to report a failed start)."""
+    try:
+        fd = os.open(runtime / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        rotate_log(runtime / LOG_FILE)
+    except BlockingIOError:
+        return
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def take(runtime: Path, config_json: str) -> subprocess.Popen[bytes] | None:
@@ -87,7 +106,9 @@ def dismiss() -> None:
 
 
 def _dismiss(proc: subprocess.Popen[bytes]) -> None:
-    """Close its stdin; it exits once its imports are done (subprocess reaps it at a later Popen)."""
+    """Close its stdin; it exits once its imports are done, and a thread waits for it (no zombie is
+    left for the client's lifetime)."""
     if proc.stdin is not None:
         with contextlib.suppress(OSError):
             proc.stdin.close()
+    threading.Thread(target=proc.wait, name="prestarted-engine-reaper", daemon=True).start()
