@@ -9,6 +9,7 @@ with unusual setups) never touch the real home directory:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,7 +51,18 @@ def log_dir() -> Path:
 
 
 def runtime_dir() -> Path:
-    """The engine's IPC socket; private to this user (mode 0700)."""
-    path = _dir("CHATAPP_RUNTIME_DIR", platformdirs.user_runtime_dir)
+    """The engine's IPC socket; private to this user (mode 0700).
+
+    Without XDG_RUNTIME_DIR (no login session: containers, some SSH set-ups) platformdirs falls back
+    to /tmp/runtime-UID and warns on the terminal; its concern, a directory another user made first,
+    is checked here instead (it must be ours), so the warning is not shown.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        path = _dir("CHATAPP_RUNTIME_DIR", platformdirs.user_runtime_dir)
+    if path.stat().st_uid != os.getuid():
+        raise PermissionError(
+            f"the runtime directory {path} belongs to another user; set CHATAPP_RUNTIME_DIR to a directory of yours"
+        )
     os.chmod(path, 0o700)
     return path

@@ -238,3 +238,24 @@ def test_a_model_name_never_opens_a_file(
         assert SECRET not in card.text and "root:" not in card.text
     assert served.client.model_info == loaded  # nothing else was loaded behind everyone's back
     assert served.stats().model == loaded.name
+
+
+def test_the_runtime_directory_must_be_ours_and_its_fallback_is_not_warned_about(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    from chatapp import paths
+
+    monkeypatch.delenv("CHATAPP_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # platformdirs falls back to /tmp/runtime-UID
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fallback = paths.runtime_dir()
+    assert stat.S_IMODE(fallback.stat().st_mode) == 0o700
+    theirs = tmp_path / "made-by-someone-else"
+    theirs.mkdir()
+    monkeypatch.setenv("CHATAPP_RUNTIME_DIR", str(theirs))
+    monkeypatch.setattr(os, "getuid", lambda: theirs.stat().st_uid + 1)  # as another user would see it
+    with pytest.raises(PermissionError, match="belongs to another user; set CHATAPP_RUNTIME_DIR"):
+        paths.runtime_dir()
