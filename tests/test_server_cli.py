@@ -129,3 +129,36 @@ def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, t
             proc.communicate()
     assert proc.returncode == 0, err
     assert f"Ready: {tiny_llama.name}" in "".join(printed) and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], True),
+        (["--model", "serve"], True),  # a model named like the subcommand: still the TUI
+        (["--model=x.gguf", "-v"], True),
+        (["serve", "--port", "0"], True),
+        (["--max-model-len", "4096", "serve"], True),
+        (["models", "list"], False),
+        (["--model", "m", "models", "rm", "m"], False),
+        (["serve", "--help"], False),
+        (["-h"], False),
+    ],
+)
+def test_the_engine_is_started_early_only_for_the_tui_and_serve(argv: list[str], expected: bool) -> None:
+    from chatapp.cli import starts_engine
+
+    assert starts_engine(argv) is expected
+
+
+def test_the_early_reading_knows_every_top_level_option_that_takes_a_value() -> None:
+    from chatapp.cli import TOP_LEVEL_VALUE_OPTIONS
+
+    parser = build_parser()
+    takes_value = {
+        option
+        for action in parser._actions
+        if action.option_strings and action.nargs != 0
+        for option in action.option_strings
+    }
+    assert takes_value == TOP_LEVEL_VALUE_OPTIONS

@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from chatapp.cli import add_engine_options
 
     add_engine_options(serve, default=argparse.SUPPRESS)  # as --model: the top-level value survives
-    serve.set_defaults(handler=run, starts_engine=True)
+    serve.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
