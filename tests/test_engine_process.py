@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -639,3 +640,20 @@ async def test_a_prestart_keeps_one_previous_engine_log(tmp_path: Path) -> None:
     assert await asyncio.to_thread(waiting.wait, 60) == 0
     assert (tmp_path / f"{ipc.LOG_FILE}.1").stat().st_size == 5 * 2**20 + 1
     assert (tmp_path / ipc.LOG_FILE).stat().st_size < 2**20  # a fresh log for the new engine
+
+
+async def test_the_engine_holds_numpys_openblas_to_one_thread_and_leaves_the_environment_alone() -> None:
+    script = """
+import ctypes, glob, os, sys
+import chatapp.engine.launch
+import numpy
+assert "OPENBLAS_NUM_THREADS" not in os.environ  # a torch built with OpenBLAS keeps its threads
+libs = glob.glob(os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs", "*openblas*"))
+lib = ctypes.CDLL(libs[0])
+names = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
+print(next(getattr(lib, n)() for n in names if hasattr(lib, n)))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"

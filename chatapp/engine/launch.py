@@ -15,11 +15,27 @@ import json
 import os
 import sys
 
-# numpy's OpenBLAS threads are not the engine's: our C++ kernels run on their own workers, and
-# OpenBLAS's spin between its calls, taking ~9% of a model load's two cores here.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from chatapp.engine import prestart  # noqa: E402  (after the setting above, as numpy reads it at import)
+def _numpy_with_one_blas_thread() -> None:
+    """Import numpy with its OpenBLAS held to one thread, unless the user set a count.
+
+    numpy's OpenBLAS threads are not the engine's: our C++ kernels run on their own workers, and
+    OpenBLAS's spin between its calls, taking ~9% of a model load's two cores here. The setting is
+    taken away again once numpy has read it, so that a torch built with OpenBLAS (aarch64 wheels)
+    keeps its threads.
+    """
+    if "OPENBLAS_NUM_THREADS" in os.environ or "numpy" in sys.modules:
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        import numpy  # noqa: F401
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
+
+
+_numpy_with_one_blas_thread()
+
+from chatapp.engine import prestart  # noqa: E402  (numpy first, as above)
 
 
 def main(argv: list[str] | None = None) -> int:
