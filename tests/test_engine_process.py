@@ -642,10 +642,12 @@ async def test_a_prestart_keeps_one_previous_engine_log(tmp_path: Path) -> None:
     assert (tmp_path / ipc.LOG_FILE).stat().st_size < 2**20  # a fresh log for the new engine
 
 
-async def test_the_engine_holds_numpys_openblas_to_one_thread_and_leaves_the_environment_alone() -> None:
+async def test_the_engine_holds_numpys_openblas_to_one_thread_and_leaves_the_environment_alone(tmp_path: Path) -> None:
     script = """
-import ctypes, glob, os, sys
-import chatapp.engine.launch
+import ctypes, glob, io, os, sys
+from chatapp.engine import launch
+sys.stdin = io.TextIOWrapper(io.BytesIO(b""))  # no config comes: main returns once the engine is imported
+assert launch.main(["--config-stdin", "--runtime-dir", sys.argv[1]]) == 0
 import numpy
 assert "OPENBLAS_NUM_THREADS" not in os.environ  # a torch built with OpenBLAS keeps its threads
 libs = glob.glob(os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs", "*openblas*"))
@@ -654,6 +656,8 @@ names = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "op
 print(next(getattr(lib, n)() for n in names if hasattr(lib, n)))
 """
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"

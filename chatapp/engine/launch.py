@@ -5,7 +5,8 @@ Why: a GGUF model's first start builds its tokenizer files (~1.2 s of transforme
 only after the weights had loaded; started here, in a process of its own, the build runs on another
 core while this one imports the engine and loads the weights.
 A client may start this process before it knows the config (prestart.py): then the engine's imports
-come first and the config arrives on stdin. This module imports nothing heavy before handing over.
+come first and the config arrives on stdin. This module imports nothing heavy before handing over
+but numpy (see _numpy_with_one_blas_thread).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import argparse
 import json
 import os
 import sys
+
+from chatapp.engine import prestart
 
 
 def _numpy_with_one_blas_thread() -> None:
@@ -33,12 +36,8 @@ def _numpy_with_one_blas_thread() -> None:
         del os.environ["OPENBLAS_NUM_THREADS"]
 
 
-_numpy_with_one_blas_thread()
-
-from chatapp.engine import prestart  # noqa: E402  (numpy first, as above)
-
-
 def main(argv: list[str] | None = None) -> int:
+    _numpy_with_one_blas_thread()
     argv = sys.argv[1:] if argv is None else argv
     if prestart.CONFIG_FROM_STDIN in argv:  # started ahead of its client (prestart.py)
         return _run_prestarted([a for a in argv if a != prestart.CONFIG_FROM_STDIN])
