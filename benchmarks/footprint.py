@@ -173,6 +173,9 @@ def main() -> None:
         args.file = str(bundled_gguf_path())
     rows: dict[str, dict] = {}
     env = {**os.environ, "CHATAPP_RUNTIME_DIR": tempfile.mkdtemp()}
+    # Python writes its bytecode files on a user's machine (pip compiles them at install, or the first
+    # run does); a sandbox's PYTHONDONTWRITEBYTECODE would have every start compile our modules again.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
 
     def ours(port: int) -> list[str]:
         return [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -152,6 +153,25 @@ def test_the_engine_launch_builds_a_gguf_tokenizer_in_a_process_of_its_own(tmp_p
     here = prepare_tokenizer_files(gguf)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (cache / name).read_bytes() == (here / name).read_bytes(), name
+
+
+def test_the_tokenizer_build_process_imports_no_numpy(tmp_path: Path) -> None:
+    """The build runs beside the engine's first load: numpy's import and its OpenBLAS threads (they spin
+    between calls) cost that load's cores ~0.15 s of CPU and the build needs none of it."""
+    code = (
+        "import runpy, sys\n"
+        "try:\n"
+        "    runpy.run_module('chatapp.engine.tokenizer', run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    assert not exc.code, exc.code\n"
+        "print(sorted(m for m in ('numpy', 'torch', 'transformers') if m in sys.modules))"
+    )
+    env = {**os.environ, "CHATAPP_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(bundled_gguf_path())], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert list(tmp_path.glob("tokenizers/*/tokenizer.json")), "the build wrote no tokenizer.json"
 
 
 def test_a_tokenizer_build_waits_for_the_one_under_way(tmp_path: Path, monkeypatch) -> None:

@@ -162,8 +162,11 @@ def start_tokenizer_build(path: Path) -> subprocess.Popen[bytes] | None:
     path = Path(path)
     if not is_gguf_path(path) or (gguf_tokenizer_cache(path) / "tokenizer.json").exists():
         return None
+    # OpenBLAS's threads (numpy, in the transformers fallback) would spin on the core the engine loads on.
+    env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
     builder = subprocess.Popen(
         [sys.executable, "-m", "chatapp.engine.tokenizer", str(path)],
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

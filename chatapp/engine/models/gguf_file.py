@@ -7,17 +7,19 @@ file's blocks to our kernels' packing, with no float32 copy of the model anywher
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from chatapp.engine.models.config import SOFTCAP_FIELDS, ModelConfig, UnsupportedModelError, optional_float
 from chatapp.engine.models.ggml_types import GGML_TYPES
+
+if TYPE_CHECKING:  # numpy is imported where tensors are read: the tokenizer build (read_tokenizer_metadata) needs none
+    import numpy as np
 
 # GGUF `general.architecture` -> the Hugging Face architecture our forward runs for it.
 GGUF_ARCHITECTURES = {
@@ -190,6 +192,8 @@ class GGUFModelFile:
             self._fields, tensor_table, data_start = self._read_header()
         except GGUFError as exc:
             raise GGUFError(f"{self.path.name} is not a readable GGUF file ({exc})") from exc
+        import numpy as np
+
         size = len(self._mmap)
         self._data = np.frombuffer(self._mmap, dtype=np.uint8)
         self.tensors: dict[str, GGUFTensor] = {}
@@ -200,7 +204,7 @@ class GGUFModelFile:
             block, block_bytes = qtype.block_weights, qtype.block_bytes
             shape = tuple(int(n) for n in reversed(dims)) or (1,)
             columns = shape[-1]
-            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
             if columns % block:
                 raise GGUFError(f"{self.path.name}: tensor {name} has {columns} columns, not whole {qtype.name} blocks")
             row_bytes = columns // block * block_bytes
@@ -353,6 +357,8 @@ class GGUFModelFile:
         tensor = self.tensor(name)
         if tensor.type_name != "F32":
             raise GGUFError(f"tensor {name} is {tensor.type_name}, expected F32")
+        import numpy as np
+
         return tuple(float(f) for f in tensor.data.reshape(-1).view(np.float32))
 
     def _rope_scaling(self) -> dict[str, Any] | None:
@@ -367,6 +373,8 @@ class GGUFModelFile:
                 "attention_factor": self.arch_field("rope.scaling.attn_factor"),
             }
         if "rope_freqs.weight" in self.tensors:  # Llama 3.1+: the converter stored the frequency factors
+            import numpy as np
+
             factors = self.tensor("rope_freqs.weight").data.reshape(-1).view(np.float32)
             return {"rope_type": "freq_factors", "factors": tuple(float(f) for f in factors)}
         kind = self.arch_field("rope.scaling.type")
