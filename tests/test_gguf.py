@@ -275,6 +275,37 @@ def test_truncated_file_gets_a_clear_error_naming_a_tensor(gguf_dir: Path, tmp_p
         LLM(str(not_gguf), kv_cache_memory_gib=0.02)
 
 
+def _corrupt_header_cases(tmp_path: Path) -> dict[str, Path]:
+    """The bundled model's header with (1) its first vocabulary string claiming 2^64 - 1 bytes, (2) the
+    file cut inside the token-type array (numbers the tokenizer build reads in full)."""
+    from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.store import bundled_gguf_path
+
+    source = bundled_gguf_path()
+    header = source.read_bytes()[: min(t.offset for t in GGUFModelFile(source).tensors.values())]
+    tokens = header.index(b"tokenizer.ggml.tokens") + len("tokenizer.ggml.tokens")
+    first_length = tokens + 4 + 4 + 8  # value type (array), item type (string), count
+    huge = tmp_path / "huge-length.gguf"
+    huge.write_bytes(header[:first_length] + b"\xff" * 8 + header[first_length + 8 :])
+    types = header.index(b"tokenizer.ggml.token_type") + len("tokenizer.ggml.token_type")
+    cut = tmp_path / "cut-in-an-array.gguf"
+    cut.write_bytes(header[: types + 4 + 4 + 8 + 100])
+    return {"huge": huge, "cut": cut}
+
+
+def test_corrupt_header_lengths_get_the_truncated_file_error(tmp_path: Path) -> None:
+    """A length field far past the end of the file (a corrupt download) is the same clear error as a
+    truncated file, from the engine's reader and the tokenizer build's alike; it was an OverflowError."""
+    from chatapp.engine.models.gguf_file import GGUFModelFile, read_tokenizer_metadata
+
+    cases = _corrupt_header_cases(tmp_path)
+    with pytest.raises(GGUFError, match=r"huge-length\.gguf is not a readable GGUF file .*truncated"):
+        GGUFModelFile(cases["huge"])
+    for path in cases.values():
+        with pytest.raises(GGUFError, match="truncated"):
+            read_tokenizer_metadata(path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+
+
 def test_wrong_shapes_and_architectures_are_named(tmp_path: Path) -> None:
     from gguf import GGUFWriter
 

@@ -92,7 +92,7 @@ class _HeaderReader:
                 start = pos + 8
                 pos = start + unpack(buf, pos)[0]
                 append(buf[start:pos].decode("utf-8", errors="replace"))
-        except struct.error:  # a length field past the end of the file
+        except (struct.error, OverflowError):  # a length field past the end of the file (or past any offset)
             raise GGUFError("the header ends early (truncated file)") from None
         if pos > len(buf):
             raise GGUFError("the header ends early (truncated file)")
@@ -130,7 +130,7 @@ class _HeaderReader:
             try:
                 for _ in range(count):
                     pos += 8 + unpack(self.buf, pos)[0]
-            except struct.error:  # a length field past the end of the file
+            except (struct.error, OverflowError):  # a length field past the end of the file (or past any offset)
                 raise GGUFError("the header ends early (truncated file)") from None
             self.pos = pos
         else:
@@ -161,8 +161,11 @@ def read_tokenizer_metadata(path: Path | str, string_arrays: Container[str] = ()
             item, count = r.take("<I"), r.take("<Q")
             if item in _SCALARS:
                 fmt = _SCALARS[item]
+                size = struct.calcsize(fmt) * count
+                if r.pos + size > len(buf):
+                    raise GGUFError("the header ends early (truncated file)")
                 fields[key] = list(struct.unpack_from(f"<{count}{fmt[1:]}", buf, r.pos))
-                r.pos += struct.calcsize(fmt) * count
+                r.pos += size
             elif item == _STRING and key in string_arrays:
                 fields[key] = r.strings(count)
             elif item == _STRING:
