@@ -203,6 +203,39 @@ def test_a_truncated_or_garbled_file_is_a_clear_error(tiny_checkpoint: Path) -> 
         LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
 
 
+def test_a_broken_config_or_tokenizer_file_is_named(tiny_checkpoint: Path) -> None:
+    """Found by fuzzing model directories: a config.json missing a field was a bare KeyError, one cut short a
+    JSONDecodeError naming no file, and a cut tokenizer.json a bare Exception from the tokenizers library."""
+    from chatapp.engine.models.config import ModelConfigError
+    from chatapp.engine.tokenizer import TextTokenizer, TokenizerFilesError
+
+    config_path = tiny_checkpoint / "config.json"
+    config = json.loads(config_path.read_text())
+    good = config_path.read_text()
+    config_path.write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
+    with pytest.raises(ModelConfigError, match=r"config\.json lacks the field 'hidden_size'"):
+        LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    config_path.write_text(json.dumps({**config, "num_attention_heads": "four"}))
+    with pytest.raises(ModelConfigError, match=r"config\.json has a field of the wrong kind"):
+        LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    config_path.write_text(good[: len(good) // 2])
+    with pytest.raises(ModelConfigError, match=r"config\.json is not valid JSON"):
+        LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    config_path.write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match=r"config\.json holds a list, not a JSON object"):
+        LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    config_path.write_text(good)
+    tokenizer_json = tiny_checkpoint / "tokenizer.json"
+    whole = tokenizer_json.read_bytes()
+    tokenizer_json.write_bytes(whole[:1000])
+    with pytest.raises(TokenizerFilesError, match=r"tokenizer\.json cannot be read"):
+        TextTokenizer(tiny_checkpoint)
+    tokenizer_json.write_bytes(whole)
+    (tiny_checkpoint / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(TokenizerFilesError, match=r"tokenizer_config\.json is not valid JSON"):
+        TextTokenizer(tiny_checkpoint)
+
+
 def test_weights_are_read_into_place_not_left_mapped_to_the_file(tiny_checkpoint: Path) -> None:
     """Rewriting the checkpoint after loading leaves the loaded weights as they were."""
     mc = load_model_config(tiny_checkpoint)

@@ -131,6 +131,28 @@ def test_serve_runs_the_engine_and_the_api_until_interrupted(tiny_llama: Path, t
     assert f"Ready: {tiny_llama.name}" in "".join(printed) and "Traceback" not in err
 
 
+def test_a_model_with_a_broken_tokenizer_file_is_a_clear_error_without_a_traceback(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The client's tokenizer preload fails as the engine's load does; asyncio used to print that preload's
+    unretrieved exception, traceback and all, and the engine's message did not name the file."""
+    import shutil
+
+    broken = shutil.copytree(tiny_llama, tmp_path / "cut-download")
+    text = (broken / "tokenizer.json").read_bytes()
+    (broken / "tokenizer.json").write_bytes(text[: len(text) // 2])
+    done = subprocess.run(
+        [sys.executable, "-m", "chatapp", "serve", "--model", str(broken), "--port", "0"],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert f"{broken / 'tokenizer.json'} cannot be read" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "never retrieved" not in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

@@ -694,7 +694,11 @@ class AsyncEngineClient:
             path = str(resolve_model_spec(self.config.model).path)
         except Exception:  # a model the engine will refuse, with its own message
             return
-        self._tokenizer_preload = (path, asyncio.create_task(asyncio.to_thread(Tokenizer, path)))
+        task = asyncio.create_task(asyncio.to_thread(Tokenizer, path))
+        # Retrieved here too: an engine that fails to load never asks for the preload, and asyncio would
+        # print the task's unretrieved exception, traceback and all, as the client exits.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._tokenizer_preload = (path, task)
 
     async def _load_tokenizer(self, path: str) -> Tokenizer:
         """The tokenizer of the model at ``path``: the preloaded one when it is that model's."""

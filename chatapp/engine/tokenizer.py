@@ -34,6 +34,10 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 _REMEMBERED = 4096
 
 
+class TokenizerFilesError(ValueError):
+    """A model's tokenizer files cannot be read (a cut download, a bad edit); the message names the file."""
+
+
 class ChatFormatError(ValueError):
     """A conversation that cannot be rendered (bad role, bad content, no template)."""
 
@@ -240,6 +244,16 @@ def _gguf_tokenizer_quickly(path: Path) -> PreTrainedTokenizerFast | None:
         return None
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerFilesError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise TokenizerFilesError(f"{path} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
 def _token_text(value: Any) -> str | None:
     """A special token from tokenizer_config.json: a string, or an AddedToken dict."""
     if isinstance(value, dict):
@@ -258,17 +272,24 @@ class TextTokenizer:
         from tokenizers import Tokenizer as Backend
         from tokenizers.models import BPE
 
-        self.backend = Backend.from_file(str(directory / "tokenizer.json"))
+        tokenizer_file = directory / "tokenizer.json"
+        try:
+            self.backend = Backend.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise TokenizerFilesError(f"{tokenizer_file} cannot be read ({exc})") from None
         self.backend.no_truncation()
         self.backend.no_padding()
         config_file = directory / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
+        config = _json_object(config_file) if config_file.exists() else {}
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         jinja_file = directory / "chat_template.jinja"
         if jinja_file.exists():
-            template = jinja_file.read_text(encoding="utf-8")
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as exc:
+                raise TokenizerFilesError(f"{jinja_file} is not UTF-8 text ({exc})") from None
         self.chat_template: str | None = template or None
         # The named special tokens, as transformers hands them to templates (not the extra ones).
         names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

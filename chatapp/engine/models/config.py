@@ -39,6 +39,10 @@ class UnsupportedModelError(ValueError):
     """The model exists but our engine cannot run it; the message says why."""
 
 
+class ModelConfigError(ValueError):
+    """A model directory's config.json is not JSON, or lacks (or garbles) a field every model has."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -281,7 +285,27 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
-    hf = json.loads((model_dir / "config.json").read_text())
+    """A model directory's config; a broken config.json (a bad edit, a cut download) is a ModelConfigError
+    naming the file and the field, not a KeyError from deep in here."""
+    config_path = model_dir / "config.json"
+    hf = _json_object(config_path)
     gen_path = model_dir / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
-    return model_config_from_dict(hf, gen)
+    gen = _json_object(gen_path) if gen_path.exists() else None
+    try:
+        return model_config_from_dict(hf, gen)
+    except UnsupportedModelError:
+        raise
+    except KeyError as exc:
+        raise ModelConfigError(f"{config_path} lacks the field {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ModelConfigError(f"{config_path} has a field of the wrong kind ({exc})") from None
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ModelConfigError(f"{path} holds a {type(value).__name__}, not a JSON object")
+    return value
