@@ -306,6 +306,32 @@ def test_corrupt_header_lengths_get_the_truncated_file_error(tmp_path: Path) -> 
             read_tokenizer_metadata(path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
 
 
+@pytest.mark.parametrize(
+    ("key", "raw", "message"),
+    [
+        ("llama.block_count", (0).to_bytes(4, "little"), r"llama\.block_count is 0"),
+        ("llama.block_count", (2**31).to_bytes(4, "little"), r"block count is 2147483648 but the file holds no"),
+        ("llama.attention.head_count", (0).to_bytes(4, "little"), r"llama\.attention\.head_count is 0"),
+        ("llama.attention.head_count_kv", (0).to_bytes(4, "little"), r"num_kv_heads is 0"),
+        ("llama.attention.head_count_kv", (3).to_bytes(4, "little"), r"4 attention heads do not share 3 KV heads"),
+        ("llama.embedding_length", (0).to_bytes(4, "little"), r"llama\.embedding_length is 0"),
+        ("llama.embedding_length", (512).to_bytes(4, "little"), r"embedding length is 512 but token_embd"),
+        ("llama.rope.freq_base", np.float32(0).tobytes(), r"RoPE base frequency is 0"),
+        ("llama.rope.dimension_count", (2**30).to_bytes(4, "little"), r"rotary dimension is [\d.e+]+ x the head size"),
+    ],
+)
+def test_impossible_metadata_sizes_are_refused_by_name(tmp_path: Path, key: str, raw: bytes, message: str) -> None:
+    """Found by fuzzing GGUF metadata: zero counts divided by zero deep in the engine, a huge rotary
+    dimension asked numpy for terabytes, a huge block count was refused as a model of 8 million GiB."""
+    data = bytearray(write_llama_gguf(tmp_path / "good.gguf", LlamaShape(), mix="Q8_0", seed=1).read_bytes())
+    at = data.find(key.encode()) + len(key) + 4  # after the key: a value type (uint32 / float32 here), the value
+    data[at : at + len(raw)] = raw
+    bad = tmp_path / "edited.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=rf"edited\.gguf has incomplete or wrong model metadata \(.*({message})"):
+        LLM(str(bad), kv_cache_memory_gib=0.02)
+
+
 def test_wrong_shapes_and_architectures_are_named(tmp_path: Path) -> None:
     from gguf import GGUFWriter
 
@@ -320,6 +346,14 @@ def test_wrong_shapes_and_architectures_are_named(tmp_path: Path) -> None:
     at = data.find(key) + len(key) + 4  # after the key: a uint32 value type, then the value
     data[at : at + 4] = (8).to_bytes(4, "little")
     bad = tmp_path / "bad-heads.gguf"
+    bad.write_bytes(bytes(data))
+    # The rotary dimension (64) is now twice the head size: the metadata alone is refused, naming why.
+    with pytest.raises(GGUFError, match=r"bad-heads\.gguf has .*wrong model metadata \(the rotary dimension is 2 x"):
+        LLM(str(bad), kv_cache_memory_gib=0.02)
+    # With the rotary dimension made to agree, the metadata is consistent and the tensors are not.
+    key = b"llama.rope.dimension_count"
+    at = data.find(key) + len(key) + 4
+    data[at : at + 4] = (32).to_bytes(4, "little")
     bad.write_bytes(bytes(data))
     with pytest.raises(GGUFError, match=r"tensor blk\.0\.attn_k\.weight has shape \(128, 256\), expected \(64, 256\)"):
         LLM(str(bad), kv_cache_memory_gib=0.02)

@@ -279,9 +279,41 @@ class GGUFModelFile:
                 f"it runs {', '.join(GGUF_ARCHITECTURES)}"
             )
         try:
-            return self._model_config(arch)
-        except (KeyError, TypeError, ValueError) as exc:
+            config = self._model_config(arch)
+            self._check_sizes(config)
+        except UnsupportedModelError:
+            raise
+        except (KeyError, TypeError, ValueError, ArithmeticError) as exc:
             raise GGUFError(f"{self.path.name} has incomplete or wrong model metadata ({exc})") from exc
+        return config
+
+    def _check_sizes(self, mc: ModelConfig) -> None:
+        """The metadata's sizes against each other and the file's tensors, before anything is sized from
+        them: a zero, a negative or an absurd count (a corrupt or hand-edited file) is named here, where it
+        would otherwise divide by zero, or size a KV cache of terabytes, deep in the engine."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):  # fmt: skip
+            if getattr(mc, name) < 1:
+                raise ValueError(f"{name} is {getattr(mc, name)}")
+        if mc.num_heads % mc.num_kv_heads:
+            raise ValueError(f"{mc.num_heads} attention heads do not share {mc.num_kv_heads} KV heads evenly")
+        if not (math.isfinite(mc.rope_theta) and mc.rope_theta > 0):
+            raise ValueError(f"the RoPE base frequency is {mc.rope_theta}")
+        if not (math.isfinite(mc.rms_norm_eps) and mc.rms_norm_eps >= 0):
+            raise ValueError(f"the RMS norm epsilon is {mc.rms_norm_eps}")
+        if mc.vocab_size > self.tensor("token_embd.weight").shape[0]:
+            raise ValueError(f"the vocabulary size is {mc.vocab_size}, more than token_embd.weight's rows")
+        if not 0 < mc.partial_rotary_factor <= 1:
+            raise ValueError(f"the rotary dimension is {mc.partial_rotary_factor:g} x the head size of {mc.head_dim}")
+        embed = self.tensor("token_embd.weight")
+        if embed.shape[-1] != mc.hidden_size:
+            raise ValueError(
+                f"the embedding length is {mc.hidden_size} but token_embd.weight has {embed.shape[-1]} columns"
+            )
+        if not any(name.startswith(f"blk.{mc.num_layers - 1}.") for name in self.tensors):
+            raise ValueError(
+                f"the block count is {mc.num_layers} but the file holds no tensors of block {mc.num_layers - 1}"
+            )
 
     def _required(self, key: str) -> Any:
         value = self.arch_field(key)
@@ -289,9 +321,16 @@ class GGUFModelFile:
             raise KeyError(f"{self.architecture}.{key} is missing")
         return value
 
+    def _count(self, key: str) -> int:
+        """A required size: a whole number of at least 1 (the others divide by it)."""
+        value = int(self._required(key))
+        if value < 1:
+            raise ValueError(f"{self.architecture}.{key} is {value}")
+        return value
+
     def _model_config(self, arch: str) -> ModelConfig:
-        hidden = int(self._required("embedding_length"))
-        heads = int(self._required("attention.head_count"))
+        hidden = self._count("embedding_length")
+        heads = self._count("attention.head_count")
         kv_heads = self.arch_field("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):  # per-layer counts (some newer files): ours must be uniform
             if len(set(kv_heads)) != 1:
@@ -308,7 +347,7 @@ class GGUFModelFile:
         bos = self.field("tokenizer.ggml.bos_token_id")
         max_len = int(self.arch_field("context_length", 4096))
         window = self.arch_field("attention.sliding_window")
-        layers = int(self._required("block_count"))
+        layers = self._count("block_count")
         # Phi-3's window covers every layer (as config.py's _WINDOWED); Gemma's only the local ones.
         all_local: dict[str, Any] = {}
         if window and arch == "Phi3ForCausalLM" and int(window) < max_len:
@@ -320,8 +359,8 @@ class GGUFModelFile:
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(self._required("feed_forward_length")),
-            num_layers=int(self._required("block_count")),
+            intermediate_size=self._count("feed_forward_length"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
