@@ -218,6 +218,16 @@ def test_a_broken_config_or_tokenizer_file_is_named(tiny_checkpoint: Path) -> No
     config_path.write_text(json.dumps({**config, "num_attention_heads": "four"}))
     with pytest.raises(ModelConfigError, match=r"config\.json has a field of the wrong kind"):
         LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    config_path.write_text(json.dumps({**config, "num_hidden_layers": 0}))
+    with pytest.raises(ModelConfigError, match=r"config\.json has a field .*\(the model's num_layers is 0\)"):
+        LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    config_path.write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    with pytest.raises(ModelConfigError, match=r"4 attention heads do not share 3 KV heads evenly"):
+        LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    rope = {**config.get("rope_parameters", {}), "rope_theta": -1.0}
+    config_path.write_text(json.dumps({**config, "rope_theta": -1.0, "rope_parameters": rope}))
+    with pytest.raises(ModelConfigError, match=r"the RoPE base frequency is -1\.0"):
+        LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
     config_path.write_text(good[: len(good) // 2])
     with pytest.raises(ModelConfigError, match=r"config\.json is not valid JSON"):
         LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -242,6 +243,23 @@ def _smollm3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def check_sizes(mc: ModelConfig) -> None:
+    """ValueError for sizes no model has: a zero, negative, NaN or inconsistent count from a corrupt or
+    hand-edited config, which would otherwise divide by zero or size a tensor negatively deep in the engine."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings"):  # fmt: skip
+        if getattr(mc, name) < 1:
+            raise ValueError(f"the model's {name} is {getattr(mc, name)}")
+    if mc.num_heads % mc.num_kv_heads:
+        raise ValueError(f"{mc.num_heads} attention heads do not share {mc.num_kv_heads} KV heads evenly")
+    if not 0 < mc.partial_rotary_factor <= 1:
+        raise ValueError(f"the rotary dimension is {mc.partial_rotary_factor:g} x the head size of {mc.head_dim}")
+    if not (math.isfinite(mc.rope_theta) and mc.rope_theta > 0):
+        raise ValueError(f"the RoPE base frequency is {mc.rope_theta}")
+    if not (math.isfinite(mc.rms_norm_eps) and mc.rms_norm_eps >= 0):
+        raise ValueError(f"the RMS norm epsilon is {mc.rms_norm_eps}")
+
+
 def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     hf = text_model_config(hf)
     arch = check_supported(hf)
@@ -259,7 +277,7 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
         max_len = min(max_len, int(window))
     eos = _eos_ids(hf.get("eos_token_id")) | _eos_ids((generation_config or {}).get("eos_token_id"))
     tie_default = arch in ("Qwen3ForCausalLM", "SmolLM3ForCausalLM", *GEMMA_ARCHITECTURES)
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
@@ -282,6 +300,8 @@ def model_config_from_dict(hf: dict[str, Any], generation_config: dict[str, Any]
         partial_rotary_factor=_partial_rotary_factor(hf),
         **family,
     )
+    check_sizes(config)
+    return config
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:
@@ -297,8 +317,8 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         raise
     except KeyError as exc:
         raise ModelConfigError(f"{config_path} lacks the field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise ModelConfigError(f"{config_path} has a field of the wrong kind ({exc})") from None
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise ModelConfigError(f"{config_path} has a field of the wrong kind or size ({exc})") from None
 
 
 def _json_object(path: Path) -> dict[str, Any]:

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chatapp.engine.models.config import SOFTCAP_FIELDS, ModelConfig, UnsupportedModelError, optional_float
+from chatapp.engine.models.config import (
+    SOFTCAP_FIELDS,
+    ModelConfig,
+    UnsupportedModelError,
+    check_sizes,
+    optional_float,
+)
 from chatapp.engine.models.ggml_types import GGML_TYPES
 
 if TYPE_CHECKING:  # numpy is imported where tensors are read: the tokenizer build (read_tokenizer_metadata) needs none
@@ -291,20 +297,9 @@ class GGUFModelFile:
         """The metadata's sizes against each other and the file's tensors, before anything is sized from
         them: a zero, a negative or an absurd count (a corrupt or hand-edited file) is named here, where it
         would otherwise divide by zero, or size a KV cache of terabytes, deep in the engine."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):  # fmt: skip
-            if getattr(mc, name) < 1:
-                raise ValueError(f"{name} is {getattr(mc, name)}")
-        if mc.num_heads % mc.num_kv_heads:
-            raise ValueError(f"{mc.num_heads} attention heads do not share {mc.num_kv_heads} KV heads evenly")
-        if not (math.isfinite(mc.rope_theta) and mc.rope_theta > 0):
-            raise ValueError(f"the RoPE base frequency is {mc.rope_theta}")
-        if not (math.isfinite(mc.rms_norm_eps) and mc.rms_norm_eps >= 0):
-            raise ValueError(f"the RMS norm epsilon is {mc.rms_norm_eps}")
+        check_sizes(mc)
         if mc.vocab_size > self.tensor("token_embd.weight").shape[0]:
             raise ValueError(f"the vocabulary size is {mc.vocab_size}, more than token_embd.weight's rows")
-        if not 0 < mc.partial_rotary_factor <= 1:
-            raise ValueError(f"the rotary dimension is {mc.partial_rotary_factor:g} x the head size of {mc.head_dim}")
         embed = self.tensor("token_embd.weight")
         if embed.shape[-1] != mc.hidden_size:
             raise ValueError(
