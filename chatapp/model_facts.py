@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from chatapp.engine.models.checkpoint_files import checkpoint_files
+
 # GGUF `general.architecture` -> the Hugging Face class our engine runs for it (one map, the engine's).
 
 log = logging.getLogger(__name__)
@@ -204,15 +206,6 @@ def _short_dtype(name: Any) -> str | None:
     return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(str(name), None) if name else None
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files a model directory's index names, else every *.safetensors in it."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    return sorted(model_dir.glob("*.safetensors"))
-
-
 def count_safetensors(files: list[Path]) -> tuple[int, str | None]:
     """(parameter count, dtype of most tensors) from the files' headers; no tensor data is read."""
     from safetensors import safe_open
@@ -244,7 +237,7 @@ def facts_from_model_dir(model_dir: Path) -> ModelFacts:
     except (OSError, ValueError) as e:
         return ModelFacts(None, None, None, None, None, None, False, f"config.json is unreadable: {e}")
     try:
-        files = safetensors_files(model_dir)
+        files = checkpoint_files(model_dir)
         missing = [f.name for f in files if not f.exists()]
     except (OSError, ValueError, KeyError) as e:
         return _unsupported(facts_from_config(hf_config, generation), f"the safetensors index is unreadable: {e}")

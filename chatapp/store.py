@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from chatapp import paths
-from chatapp.model_facts import ModelFacts, facts_from_gguf, facts_from_model_dir, safetensors_files
+from chatapp.engine.models.checkpoint_files import CheckpointError, checkpoint_files
+from chatapp.model_facts import ModelFacts, facts_from_gguf, facts_from_model_dir
 
 if TYPE_CHECKING:
     from huggingface_hub import HFCacheInfo
@@ -122,7 +123,12 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
             )
         return ResolvedModel(spec, snapshot / filename, "gguf")
     if (snapshot / "config.json").exists():
-        weights = safetensors_files(snapshot)
+        try:
+            weights = checkpoint_files(snapshot)
+        except CheckpointError as exc:
+            raise ModelNotFoundError(
+                f"{repo_id}'s download is damaged ({exc}); run `chatapp models pull {repo_id}` again"
+            ) from None
         if not weights or not all(w.exists() for w in weights):
             raise ModelNotFoundError(
                 f"{repo_id} is only partly downloaded; run `chatapp models pull {repo_id}` again to finish it"

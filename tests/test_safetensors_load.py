@@ -203,6 +203,32 @@ def test_a_truncated_or_garbled_file_is_a_clear_error(tiny_checkpoint: Path) -> 
         LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
 
 
+def test_odd_safetensors_headers_and_a_broken_index_are_named(tiny_checkpoint: Path) -> None:
+    """A header that parses as JSON but not as a safetensors header (a list, a negative or fractional
+    size) and an index that is not one: each a CheckpointError naming the file, not an AttributeError or a
+    torch error about negative dimensions."""
+    import struct
+
+    weights = tiny_checkpoint / "model.safetensors"
+
+    def write_header(header: object) -> None:
+        text = json.dumps(header).encode()
+        weights.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 64)
+
+    write_header([1, 2, 3])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a safetensors file \(its header is not"):
+        LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    for shape, offsets in (([-4, 4], [0, 64]), ([4, 4.0], [0, 64]), ([4, 4], [0]), ([4, 4], "0-64")):
+        write_header({"model.embed_tokens.weight": {"dtype": "F32", "shape": shape, "data_offsets": offsets}})
+        with pytest.raises(CheckpointError, match=r"the header entry of model\.embed_tokens\.weight is malformed"):
+            LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+    index = tiny_checkpoint / "model.safetensors.index.json"
+    for text in ('{"weight_map": ', '{"metadata": {}}', "[]"):
+        index.write_text(text)
+        with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not a safetensors index"):
+            LLM(str(tiny_checkpoint), kv_cache_memory_gib=0.02)
+
+
 def test_a_broken_config_or_tokenizer_file_is_named(tiny_checkpoint: Path) -> None:
     """Found by fuzzing model directories: a config.json missing a field was a bare KeyError, one cut short a
     JSONDecodeError naming no file, and a cut tokenizer.json a bare Exception from the tokenizers library."""

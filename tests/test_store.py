@@ -149,6 +149,19 @@ def test_a_broken_gguf_file_is_listed_as_unreadable(home: Path, tmp_path: Path) 
     assert "unsupported: unreadable GGUF file" in row
 
 
+def test_a_model_directory_with_a_broken_index_is_listed_as_such(home: Path, tmp_path: Path, tiny_llama: Path) -> None:
+    """An index that is JSON but not an index (a list) was a TypeError that took `models list` down."""
+    import shutil
+
+    model = shutil.copytree(tiny_llama, tmp_path / "odd-index")
+    (model / "model.safetensors.index.json").write_text("[]")
+    store.remember_path(model)
+    code, out, err = run_cli("models", "list")
+    assert code == 0, err
+    row = next(line for line in out.splitlines() if line.startswith(str(model)))
+    assert "the safetensors index is unreadable" in row and "is not a safetensors index" in row
+
+
 def test_adding_something_that_is_not_a_model_is_one_clear_line(home: Path, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     for path, message in ((tmp_path / "empty", "no config.json"), (tmp_path / "nowhere", "does not exist")):

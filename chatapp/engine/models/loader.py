@@ -7,7 +7,6 @@ decoder layer at a time (see load_model), never the whole float model at once.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol
 
@@ -15,10 +14,11 @@ import torch
 from torch import nn
 
 from chatapp.engine.memory import return_freed_memory
+from chatapp.engine.models.checkpoint_files import CheckpointError, checkpoint_files
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gemma import model_class
 from chatapp.engine.models.llama import LlamaForCausalLM, RMSNorm
-from chatapp.engine.models.safetensors_reader import CheckpointError, StoredTensor, read_index, read_into, read_tensor
+from chatapp.engine.models.safetensors_reader import StoredTensor, read_index, read_into, read_tensor
 
 # checkpoint suffix -> (our parameter suffix, shard index within the fused weight)
 _FUSED = {
@@ -34,11 +34,7 @@ _OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = checkpoint_files(model_dir)
     if not files:
         raise CheckpointError(f"no .safetensors weights in {model_dir}")
     return files

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import torch
 
+from chatapp.engine.models.checkpoint_files import CheckpointError
+
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 _MAX_HEADER = 100 * 2**20
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's files do not match what its config describes, or are damaged."""
 
 
 @dataclass(frozen=True)
@@ -56,20 +54,30 @@ def read_index(path: Path) -> dict[str, StoredTensor]:
             header = json.loads(f.read(length))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"cannot read {path.name}: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path.name} is not a safetensors file (its header is not a JSON object)")
     base = 8 + length
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            begin, end = info["data_offsets"]
-            tensor = StoredTensor(path, name, info["dtype"], tuple(info["shape"]), base + begin, base + end)
+            offsets, shape = info["data_offsets"], info["shape"]
+            if not (_sizes(offsets) and len(offsets) == 2 and _sizes(shape)):
+                raise ValueError("sizes that are not whole numbers")
+            begin, end = offsets
+            tensor = StoredTensor(path, name, str(info["dtype"]), tuple(shape), base + begin, base + end)
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path.name}: the header entry of {name} is malformed") from None
         if tensor.end > size or tensor.start > tensor.end:
             raise CheckpointError(f"{path.name} is truncated: tensor {name} lies past its end")
         tensors[name] = tensor
     return tensors
+
+
+def _sizes(values: object) -> bool:
+    """A JSON list of whole numbers of at least 0 (a header's shape or byte range)."""
+    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
 
 
 def read_into(tensor: StoredTensor, dest: torch.Tensor) -> None:
