@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatapp.engine.model_ref import is_gguf_path
+from chatapp.engine.models.config import read_json_object
 from chatapp.engine.reasoning import OPEN as THINK_OPEN
 from chatapp.engine.reasoning import prompt_opens_thinking
 
@@ -244,16 +245,6 @@ def _gguf_tokenizer_quickly(path: Path) -> PreTrainedTokenizerFast | None:
         return None
 
 
-def _json_object(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerFilesError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise TokenizerFilesError(f"{path} holds a {type(value).__name__}, not a JSON object")
-    return value
-
-
 def _token_text(value: Any) -> str | None:
     """A special token from tokenizer_config.json: a string, or an AddedToken dict."""
     if isinstance(value, dict):
@@ -280,7 +271,7 @@ class TextTokenizer:
         self.backend.no_truncation()
         self.backend.no_padding()
         config_file = directory / "tokenizer_config.json"
-        config = _json_object(config_file) if config_file.exists() else {}
+        config = read_json_object(config_file, TokenizerFilesError) if config_file.exists() else {}
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)

@@ -308,9 +308,9 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     """A model directory's config; a broken config.json (a bad edit, a cut download) is a ModelConfigError
     naming the file and the field, not a KeyError from deep in here."""
     config_path = model_dir / "config.json"
-    hf = _json_object(config_path)
+    hf = read_json_object(config_path, ModelConfigError)
     gen_path = model_dir / "generation_config.json"
-    gen = _json_object(gen_path) if gen_path.exists() else None
+    gen = read_json_object(gen_path, ModelConfigError) if gen_path.exists() else None
     try:
         return model_config_from_dict(hf, gen)
     except UnsupportedModelError:
@@ -321,11 +321,13 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         raise ModelConfigError(f"{config_path} has a field of the wrong kind or size ({exc})") from None
 
 
-def _json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, error: type[ValueError]) -> dict[str, Any]:
+    """A model file that must hold a JSON object (config.json, tokenizer_config.json); ``error`` naming the
+    file where it is not JSON, not UTF-8, or not an object."""
     try:
         value = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelConfigError(f"{path} is not valid JSON ({exc})") from None
+        raise error(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ModelConfigError(f"{path} holds a {type(value).__name__}, not a JSON object")
+        raise error(f"{path} holds a {type(value).__name__}, not a JSON object")
     return value
