@@ -298,9 +298,9 @@ class GGUFModelFile:
         them: a zero, a negative or an absurd count (a corrupt or hand-edited file) is named here, where it
         would otherwise divide by zero, or size a KV cache of terabytes, deep in the engine."""
         check_sizes(mc)
-        if mc.vocab_size > self.tensor("token_embd.weight").shape[0]:
-            raise ValueError(f"the vocabulary size is {mc.vocab_size}, more than token_embd.weight's rows")
         embed = self.tensor("token_embd.weight")
+        if mc.vocab_size > embed.shape[0]:
+            raise ValueError(f"the vocabulary size is {mc.vocab_size}, more than token_embd.weight's rows")
         if embed.shape[-1] != mc.hidden_size:
             raise ValueError(
                 f"the embedding length is {mc.hidden_size} but token_embd.weight has {embed.shape[-1]} columns"
