@@ -589,6 +589,26 @@ def test_import_rejects_bad_files_clearly(store, text, match):
     assert store.list_sessions() == []
 
 
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        # SQLite's TEXT column stored 0 as "0", which the session then could not be read back with
+        (lambda d: d["session"]["backend"].update(base_url=0), r"session\.backend\.base_url: unexpected value 0"),
+        (lambda d: d["session"].update(selected_leaf_id=[1]), r"session\.selected_leaf_id: unexpected value \[1\]"),
+        (lambda d: d["messages"][0]["metrics"].update(prompt_tokens=2**70), r"prompt_tokens: \d+ is out of range"),
+    ],
+)
+def test_import_rejects_values_the_database_cannot_hold_clearly(store, edit, match):
+    """Found by fuzzing exports: each of these was a ValueError, TypeError or OverflowError, the first after
+    the session had been written."""
+    s, *_ = conversation(store)
+    data = store.export_dict(s.id)
+    edit(data)
+    with pytest.raises(HistoryFormatError, match=match):
+        store.import_json(json.dumps(data))
+    assert len(store.list_sessions()) == 1
+
+
 def test_import_rejects_a_message_whose_parent_is_missing(store):
     s, *_ = conversation(store)
     data = store.export_dict(s.id)

@@ -77,6 +77,8 @@ def _field(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], whe
     allowed = kinds if isinstance(kinds, tuple) else (kinds,)
     if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
         raise HistoryFormatError(f"{where}.{key}: unexpected value {value!r}")
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:  # SQLite's INTEGER
+        raise HistoryFormatError(f"{where}.{key}: {value} is out of range")
     return value
 
 
@@ -98,7 +100,8 @@ def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, 
     b = _field(s, "backend", Mapping, "session")
     try:
         backend = Backend(
-            _field(b, "kind", str, "session.backend"), b.get("base_url"), b.get("endpoint"), b.get("api_key")
+            _field(b, "kind", str, "session.backend"),
+            *(_field(b, key, str, "session.backend", optional=True) for key in ("base_url", "endpoint", "api_key")),
         )
     except (ValueError, TypeError) as exc:
         raise HistoryFormatError(f"session.backend: {exc}") from None
@@ -162,7 +165,7 @@ def _parse_export(data: Any) -> tuple[dict[str, Any], list[tuple[Any, dict[str, 
                 },
             )
         )
-    selected = s.get("selected_leaf_id")
+    selected = _field(s, "selected_leaf_id", int, "session", optional=True)
     if selected is not None and selected not in seen:
         raise HistoryFormatError(f"session.selected_leaf_id: no message has id {selected!r}")
     return session, messages, selected
