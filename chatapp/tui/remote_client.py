@@ -87,18 +87,29 @@ class RemoteClient:
         finish: FinishReason | None = None
         try:
             async for chunk in stream:
+                # The SDK builds chunks without validating them: a server that sends other shapes (not
+                # JSON, a choice that is a number, a count that is text) is checked here, where its
+                # error can name the server, not in the pane that shows the text.
                 if chunk.usage is not None:
-                    prompt_tokens = chunk.usage.prompt_tokens or 0
-                    n_out = chunk.usage.completion_tokens or n_out
-                for choice in chunk.choices:
-                    text = (choice.delta.content or "") if choice.delta else ""
+                    prompt_tokens = _count(chunk.usage.prompt_tokens, prompt_tokens)
+                    n_out = _count(chunk.usage.completion_tokens, n_out)
+                for choice in chunk.choices or ():
+                    text = choice.delta.content if choice.delta else None
+                    if text is not None and not isinstance(text, str):
+                        raise TypeError(f"a delta's content is {text!r}")
                     if text:
                         n_out += 1 if chunk.usage is None else 0
                         yield OutputDelta(request_id, text, [], None, False, None, None, prompt_tokens, n_out, 0)
                     if choice.finish_reason:
-                        finish = _finish_reason(choice.finish_reason)
+                        finish = _finish_reason(str(choice.finish_reason))
         except openai.APIError as exc:
+            await stream.close()
             raise RemoteError(f"the stream from {self.base_url} broke off: {exc}") from None
+        except (ValueError, TypeError, AttributeError) as exc:  # JSON errors are ValueErrors
+            await stream.close()
+            raise RemoteError(
+                f"{self.base_url} sent a stream that is not a chat completion ({type(exc).__name__}: {exc})"
+            ) from None
         finally:
             self._streams.pop(request_id, None)
         yield OutputDelta(request_id, "", [], None, True, finish or FinishReason.ABORT, None, prompt_tokens, n_out, 0)
@@ -120,6 +131,15 @@ def _detail(exc: openai.APIStatusError) -> str:
         if isinstance(error, dict) and error.get("message"):
             return str(error["message"])
     return exc.message
+
+
+def _count(value: Any, default: int) -> int:
+    """A usage count from the stream: a whole number, or the default where the server sent none."""
+    if value is None:
+        return default
+    if type(value) is not int or value < 0:
+        raise TypeError(f"a token count is {value!r}")
+    return value
 
 
 def _finish_reason(remote: str) -> FinishReason:
