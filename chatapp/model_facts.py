@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from chatapp.engine.models.checkpoint_files import checkpoint_files
+from chatapp.engine.models.checkpoint_files import CheckpointError, checkpoint_files
 
 # GGUF `general.architecture` -> the Hugging Face class our engine runs for it (one map, the engine's).
 
@@ -239,7 +239,7 @@ def facts_from_model_dir(model_dir: Path) -> ModelFacts:
     try:
         files = checkpoint_files(model_dir)
         missing = [f.name for f in files if not f.exists()]
-    except (OSError, ValueError, KeyError) as e:
+    except CheckpointError as e:
         return _unsupported(facts_from_config(hf_config, generation), f"the safetensors index is unreadable: {e}")
     if not files:
         return _unsupported(
