@@ -642,6 +642,38 @@ async def test_a_prestart_keeps_one_previous_engine_log(tmp_path: Path) -> None:
     assert (tmp_path / ipc.LOG_FILE).stat().st_size < 2**20  # a fresh log for the new engine
 
 
+@pytest.mark.parametrize("kernels_off", [False, True])
+async def test_a_prestarted_engine_makes_the_cpu_load_path_ready_while_it_waits(
+    tmp_path: Path, kernels_off: bool
+) -> None:
+    """While it waits for its config, a prestarted engine loads torch's C++ libraries (not its Python
+    module) and imports the CPU load path, so a load starts without them; none of it when the C++
+    kernels are turned off, or where a GPU may serve instead."""
+    script = """
+import io, json, sys
+from chatapp.engine import launch
+sys.stdin = io.TextIOWrapper(io.BytesIO(b""))  # no config comes: main returns once its waiting is done
+assert launch.main(["--config-stdin", "--runtime-dir", sys.argv[1]]) == 0
+maps = open("/proc/self/maps").read()
+print(json.dumps({"libtorch_cpu": "libtorch_cpu.so" in maps, "torch": "torch" in sys.modules,
+                  "load_path": all(m in sys.modules for m in ("chatapp.engine.array_runner", "numpy.random"))}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "CHATAPP_NO_CPU_KERNELS"}
+    if kernels_off:
+        env["CHATAPP_NO_CPU_KERNELS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    from chatapp.engine.config import no_gpu_here
+
+    assert json.loads(done.stdout) == {
+        "libtorch_cpu": not kernels_off and no_gpu_here(),
+        "torch": False,
+        "load_path": True,
+    }
+
+
 async def test_the_engine_holds_numpys_openblas_to_one_thread_and_leaves_the_environment_alone(tmp_path: Path) -> None:
     script = """
 import ctypes, glob, io, os, sys

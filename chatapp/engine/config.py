@@ -236,7 +236,7 @@ class ResolvedConfig:
 
 def _resolve_device(device: str) -> str:
     if device == "auto":
-        if _no_gpu_here():
+        if no_gpu_here():
             return "cpu"
         import torch
 
@@ -250,16 +250,18 @@ def _resolve_device(device: str) -> str:
     return device
 
 
-def _no_gpu_here() -> bool:
+def no_gpu_here() -> bool:
     """True where torch could not see a GPU, told without importing it (~1.1 s, which the torch-free
     CPU runner saves): on Linux, no NVIDIA, AMD or WSL GPU device node; elsewhere a CPU-only torch build.
-    The device nodes are looked at first: reading package metadata costs ~25 ms of the start."""
-    import importlib.metadata
+    The device nodes are looked at first: importing importlib.metadata and reading package metadata
+    costs ~25 ms of the start."""
     import sys
 
     nodes = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
     if sys.platform == "linux" and not any(os.path.exists(node) for node in nodes):
         return True
+    import importlib.metadata
+
     try:
         return "+cpu" in importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:

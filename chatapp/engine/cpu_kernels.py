@@ -9,12 +9,14 @@ same results more slowly.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import json
 import logging
 import os
 import sys
+import threading
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +55,23 @@ def load() -> ModuleType | None:
             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
         )
         return None
+
+
+def load_torch_libraries_in_background() -> threading.Thread:
+    """Start loading torch's C++ libraries (what load() needs first) on a thread, and return it.
+
+    Why: that is ~0.18 s of CPU, almost all of it in the dynamic linker, which leaves the interpreter
+    free. An engine started ahead of its client (launch.py) does it while it waits for its config,
+    instead of after. A failure is left for load() to meet and report.
+    """
+
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            _load_torch_libraries()
+
+    thread = threading.Thread(target=run, name="torch-libraries-preload", daemon=True)
+    thread.start()
+    return thread
 
 
 def _prebuilt(key: str) -> ModuleType | None:

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 
 from chatapp.engine import prestart
 
@@ -49,15 +50,43 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_prestarted(argv: list[str]) -> int:
     """Import the engine first, then wait for the config on stdin; no config (the client attached to a
-    running engine, or died) means there is nothing to do."""
+    running engine, or died) means there is nothing to do. While it waits, what every CPU load needs
+    and no config changes is made ready: torch's C++ libraries, and the modules of the load path."""
     from chatapp.engine.process import main as run_engine
 
+    preload = _preload_torch_libraries()
+    _import_load_path()
     config = sys.stdin.buffer.read().decode()
     if not config.strip():
+        if preload is not None:
+            preload.join()
         return 0
     argv = ["--config", config, *argv]
     _start_tokenizer_build(argv)
+    if preload is not None:
+        preload.join()  # before the engine's loader asks cpu_kernels for the extension
     return run_engine(argv)
+
+
+def _preload_torch_libraries() -> threading.Thread | None:
+    """Load torch's C++ libraries on a thread, where the C++ CPU kernels will run: not where a GPU may
+    serve instead (that engine imports torch itself), nor when the kernels are turned off."""
+    from chatapp.engine import cpu_kernels
+    from chatapp.engine.config import no_gpu_here
+
+    if os.environ.get("CHATAPP_NO_CPU_KERNELS") == "1" or not no_gpu_here():
+        return None
+    return cpu_kernels.load_torch_libraries_in_background()
+
+
+def _import_load_path() -> None:
+    """Import the modules a GGUF load on the CPU goes through (~50 ms), before its config comes."""
+    import numpy.random  # noqa: F401  (array_sampler's draws; numpy imports it on first use)
+
+    import chatapp.engine.array_runner  # noqa: F401
+    import chatapp.engine.models.array_model  # noqa: F401
+    import chatapp.engine.models.gguf_weights  # noqa: F401
+    import chatapp.store  # noqa: F401  (model_ref's resolver)
 
 
 def _start_tokenizer_build(argv: list[str]) -> None:
