@@ -62,7 +62,8 @@ def load_torch_libraries_in_background() -> threading.Thread:
 
     Why: that is ~0.18 s of CPU, almost all of it in the dynamic linker, which leaves the interpreter
     free. An engine started ahead of its client (launch.py) does it while it waits for its config,
-    instead of after. A failure is left for load() to meet and report.
+    instead of after. The linker holds its lock meanwhile: an extension module imported on another
+    thread waits for it. A failure is left for load() to meet and report.
     """
 
     def run() -> None:

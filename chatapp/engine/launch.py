@@ -54,8 +54,8 @@ def _run_prestarted(argv: list[str]) -> int:
     and no config changes is made ready: torch's C++ libraries, and the modules of the load path."""
     from chatapp.engine.process import main as run_engine
 
+    _import_load_path()  # first: its extension modules would wait on the linker's lock (below) otherwise
     preload = _preload_torch_libraries()
-    _import_load_path()
     config = sys.stdin.buffer.read().decode()
     if not config.strip():
         if preload is not None:
