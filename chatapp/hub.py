@@ -26,11 +26,12 @@ import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from chatapp.engine.models.gguf_file import GGUF_ARCHITECTURES
+from chatapp.engine.models.gguf_split import gguf_models, model_files
 from chatapp.model_facts import (
     FLOAT32_BYTES_PER_PARAMETER,
     GGUF_BYTES_PER_PARAMETER_GUESS,
@@ -235,7 +236,7 @@ def plan_pull(
     if gguf_file:
         return _plan_gguf(repo_id, revision, commit, gguf_file, siblings, info.gguf, available_bytes)
     if "config.json" not in siblings:
-        ggufs = sorted(name for name in siblings if name.endswith(".gguf"))
+        ggufs = gguf_models(siblings)
         hint = (
             (
                 f"; it has GGUF files, pull one with `chatapp models pull {repo_id}:{ggufs[0]}`"
@@ -272,13 +273,22 @@ def _plan_gguf(
     available_bytes: int | None,
 ) -> PullPlan:
     if filename not in siblings:
-        ggufs = sorted(name for name in siblings if name.endswith(".gguf"))
+        ggufs = gguf_models(siblings)
         have = (
             f"; it has: {', '.join(ggufs[:8])}{' ...' if len(ggufs) > 8 else ''}"
             if ggufs
             else "; it has no .gguf files"
         )
         raise HubError(f"{repo_id} has no file {filename}{have}")
+    names = [part.as_posix() for part in model_files(PurePosixPath(filename))]  # a split model: every part
+    missing = [name for name in names if name not in siblings]
+    if missing:
+        raise HubError(
+            f"{repo_id}:{filename} is one of the {len(names)} parts of a split model, and the repo lacks "
+            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+        )
+    files = tuple(_remote_file(siblings[name]) for name in names)
+    filename = names[0]  # listed and run under its first part's name, which holds the metadata
     facts = None
     estimate = None
     if gguf_info:  # the Hub's summary of the repo's GGUF header: architecture, total parameters, context
@@ -286,9 +296,10 @@ def _plan_gguf(
         if not facts.supported:
             raise HubError(f"{repo_id}:{filename} cannot run in chatapp: {facts.reason}")
         # The engine runs the file's own blocks: the download's size is what the weights take.
-        facts = replace(facts, weights_bytes=_remote_file(siblings[filename]).size or None)
+        known = all(f.size for f in files)
+        facts = replace(facts, weights_bytes=sum(f.size or 0 for f in files) if known else None)
         estimate = estimate_for(facts, available_bytes=available_bytes)
-    return PullPlan(repo_id, revision, commit, (_remote_file(siblings[filename]),), filename, facts, estimate)
+    return PullPlan(repo_id, revision, commit, files, filename, facts, estimate)
 
 
 def _remote_file(sibling: Any) -> RemoteFile:
@@ -311,7 +322,7 @@ def _weight_files(repo_id: str, commit: str, siblings: dict[str, Any], token: st
         return [SAFETENSORS_INDEX, *shards]
     shards = sorted(name for name in siblings if name.endswith(".safetensors") and "/" not in name)
     if not shards:
-        ggufs = sorted(name for name in siblings if name.endswith(".gguf"))
+        ggufs = gguf_models(siblings)
         hint = f"; pull a GGUF file instead, e.g. `chatapp models pull {repo_id}:{ggufs[0]}`" if ggufs else ""
         raise HubError(f"{repo_id} has no .safetensors weights (chatapp loads safetensors or GGUF only){hint}")
     return shards

@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from chatapp import paths
 from chatapp.engine.models.checkpoint_files import CheckpointError, checkpoint_files
+from chatapp.engine.models.gguf_split import first_part, gguf_models, metadata_part, model_files
 from chatapp.model_facts import ModelFacts, facts_from_gguf, facts_from_model_dir
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ def resolve_model(spec: str | None, *, remember: bool = False) -> ResolvedModel:
 
 def _resolve_path(path: Path) -> ResolvedModel:
     if path.is_file() and path.suffix == ".gguf":
+        path = metadata_part(path)  # a split model, named by any of its parts, is its first part's
         return ResolvedModel(path.stem, path, "gguf")
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -114,14 +116,15 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
             f"no local model named {spec!r}: no such file or directory, and {repo_id} is not in the "
             f"Hugging Face cache; download it with `chatapp models pull {spec}`"
         )
-    ggufs = sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf"))
+    ggufs = gguf_models(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf"))
     if filename:
+        filename = first_part(PurePosixPath(filename)).as_posix()  # a split model by any of its parts
         if filename not in ggufs:
             have = f" (cached GGUF files: {', '.join(ggufs)})" if ggufs else ""
             raise ModelNotFoundError(
                 f"{filename} of {repo_id} is not downloaded{have}; run `chatapp models pull {spec}`"
             )
-        return ResolvedModel(spec, snapshot / filename, "gguf")
+        return _cached_gguf(repo_id, snapshot, filename)
     if (snapshot / "config.json").exists():
         try:
             weights = checkpoint_files(snapshot)
@@ -135,7 +138,7 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
             )
         return ResolvedModel(repo_id, snapshot, "hf-cache")
     if len(ggufs) == 1:
-        return ResolvedModel(f"{repo_id}:{ggufs[0]}", snapshot / ggufs[0], "gguf")
+        return _cached_gguf(repo_id, snapshot, ggufs[0])
     if ggufs:
         raise ModelNotFoundError(
             f"{repo_id} has several GGUF files cached; name one: " + ", ".join(f"{repo_id}:{g}" for g in ggufs)
@@ -143,6 +146,18 @@ def _resolve_cached_repo(spec: str) -> ResolvedModel:
     raise ModelNotFoundError(
         f"{repo_id} in the Hugging Face cache has no config.json or .gguf file; run `chatapp models pull {repo_id}`"
     )
+
+
+def _cached_gguf(repo_id: str, snapshot: Path, filename: str) -> ResolvedModel:
+    """A GGUF model of a cached repo, refused while any part of a split one is missing."""
+    parts = model_files(snapshot / filename)
+    missing = [part for part in parts if not part.exists()]
+    if missing:
+        raise ModelNotFoundError(
+            f"{filename} of {repo_id} is only partly downloaded ({len(missing)} of its {len(parts)} parts are "
+            f"missing); run `chatapp models pull {repo_id}:{filename}` to finish it"
+        )
+    return ResolvedModel(f"{repo_id}:{filename}", snapshot / filename, "gguf")
 
 
 def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path | None:
@@ -283,7 +298,8 @@ def _registered_model(path: Path) -> LocalModel:
         missing = ModelFacts(None, None, None, None, None, None, False, "the path no longer exists")
         return LocalModel(name, "gguf" if path.suffix == ".gguf" else "directory", path, None, missing)
     if path.is_file():
-        return LocalModel(name, "gguf", path, path.stat().st_size, facts_from_gguf(path))
+        size = sum(part.stat().st_size for part in model_files(path) if part.is_file())
+        return LocalModel(name, "gguf", path, size, facts_from_gguf(path))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return LocalModel(name, "directory", path, size, facts_from_model_dir(path))
 
@@ -313,15 +329,25 @@ def _hf_cache_models() -> list[LocalModel]:
         revision = max(repo.revisions, key=lambda r: ("main" in r.refs, r.last_modified))
         snapshot = revision.snapshot_path
         sizes = {f.file_path.relative_to(snapshot).as_posix(): f.size_on_disk for f in revision.files}
-        ggufs = sorted(name for name in sizes if name.endswith(".gguf"))
+        ggufs = gguf_models(sizes)
         for name in ggufs:
+            parts = [part.as_posix() for part in model_files(PurePosixPath(name))]
+            facts = facts_from_gguf(snapshot / name)
+            missing = [part for part in parts if part not in sizes]
+            if missing:  # a split model with parts not downloaded (yet)
+                facts = dataclasses.replace(
+                    facts,
+                    supported=False,
+                    reason=f"{len(missing)} of its {len(parts)} parts are not downloaded; "
+                    f"run `chatapp models pull {repo.repo_id}:{name}`",
+                )
             models.append(
                 LocalModel(
                     f"{repo.repo_id}:{name}",
                     "hf-cache",
                     snapshot / name,
-                    sizes[name],
-                    facts_from_gguf(snapshot / name),
+                    sum(sizes.get(part, 0) for part in parts),
+                    facts,
                     repo.repo_id,
                     revision.commit_hash,
                 )
@@ -398,15 +424,20 @@ def plan_removal(model: LocalModel) -> Removal:
     if repo is None:
         raise ModelNotFoundError(f"{model.repo_id} is no longer in the Hugging Face cache")
     _, _, filename = model.name.partition(":")
+    names = {part.as_posix() for part in model_files(PurePosixPath(filename))} if filename else set()
     files = [
-        f
-        for rev in repo.revisions
-        for f in rev.files
-        if f.file_path.relative_to(rev.snapshot_path).as_posix() == filename
+        f for rev in repo.revisions for f in rev.files if f.file_path.relative_to(rev.snapshot_path).as_posix() in names
     ]
     if filename and len(files) < sum(len(rev.files) for rev in repo.revisions):
         strategy = info.delete_files(*files)
-        what = f"delete {filename} of {model.repo_id} from the Hugging Face cache"
+        others = (
+            f" and its {len(names) - 1} other parts"
+            if len(names) > 2
+            else " and its other part"
+            if len(names) == 2
+            else ""
+        )
+        what = f"delete {filename}{others} of {model.repo_id} from the Hugging Face cache"
     else:
         strategy = info.delete_revisions(*(rev.commit_hash for rev in repo.revisions))
         what = f"delete {model.repo_id} from the Hugging Face cache ({repo.repo_path})"

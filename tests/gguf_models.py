@@ -98,10 +98,13 @@ def write_llama_gguf(
     seed: int = 0,
     weight_size: float = 0.05,
     embed_type: str | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
-    """A random Llama-architecture GGUF file at ``path`` with tensors of type ``mix``."""
+    """A random Llama-architecture GGUF file at ``path`` with tensors of type ``mix``; with
+    ``split_max_tensors``, the same model split as llama.cpp's gguf-split writes it (``path``'s stem
+    plus ``-00001-of-0000N.gguf``...; the first part is returned)."""
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
@@ -151,6 +154,10 @@ def write_llama_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if split_max_tensors:
+        first = sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))
+        assert len(first) == 1, "the split writer names its parts NAME-00001-of-0000N.gguf"
+        return first[0]
     return path
 
 

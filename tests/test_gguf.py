@@ -256,6 +256,48 @@ def test_llama_q_and_k_rows_are_put_back_in_rotate_half_order(gguf_dir: Path) ->
     assert np.array_equal(q_ours[head_dim + 5], q_file[head_dim + 10])
 
 
+def test_a_split_model_runs_as_its_whole_file_from_any_part(gguf_dir: Path, tmp_path: Path) -> None:
+    """A model split by llama.cpp's gguf-split naming (many Hub repos publish larger files so) loads from any of
+    its parts, as the one file of the same weights does: the same tokens, weights counted from every part."""
+    from chatapp.engine.model_pool import estimate_weight_bytes
+
+    whole = write_llama_gguf(gguf_dir / "tiny-unsplit.gguf", mix="Q4_K_M", seed=13)
+    first = write_llama_gguf(tmp_path / "tiny-split.gguf", mix="Q4_K_M", seed=13, split_max_tensors=8)
+    parts = sorted(tmp_path.glob("tiny-split-*-of-*.gguf"))
+    assert len(parts) == 3 and parts[0] == first
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(whole), kv_cache_memory_gib=0.02).generate(PROMPTS, params)]
+    for named in (first, parts[2]):
+        llm = LLM(str(named), kv_cache_memory_gib=0.02)
+        assert llm.config.quantization == "gguf"
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected, named.name
+    assert estimate_weight_bytes(first) == sum(p.stat().st_size for p in parts)
+
+
+def test_a_split_model_with_a_part_missing_renamed_or_foreign_is_named(tmp_path: Path) -> None:
+    from chatapp.engine.models.gguf_file import GGUFModelFile
+
+    first = write_llama_gguf(tmp_path / "m.gguf", mix="Q8_0", seed=14, split_max_tensors=8)
+    second, third = tmp_path / "m-00002-of-00003.gguf", tmp_path / "m-00003-of-00003.gguf"
+    for named in (first, third):
+        GGUFModelFile(named)  # whole: both find every part
+    kept = third.read_bytes()
+    third.unlink()
+    with pytest.raises(GGUFError, match=r"part 3 \(m-00003-of-00003\.gguf\) is not beside it; download every part"):
+        GGUFModelFile(first)
+    renamed = tmp_path / "renamed.gguf"
+    second.rename(renamed)
+    with pytest.raises(GGUFError, match=r"renamed\.gguf is part 2 of a model split in 3 files, but its name"):
+        GGUFModelFile(renamed)
+    renamed.rename(second)
+    other = write_llama_gguf(tmp_path / "o.gguf", mix="Q8_0", seed=15, split_max_tensors=16)  # 2 parts
+    third.write_bytes((tmp_path / "o-00002-of-00002.gguf").read_bytes())
+    with pytest.raises(GGUFError, match=r"m-00003-of-00003\.gguf is not part 3 of 3 .* says part 2 of 2"):
+        GGUFModelFile(first)
+    third.write_bytes(kept)
+    assert len(GGUFModelFile(first).tensors) == len(GGUFModelFile(other).tensors)
+
+
 # --- bad files ----------------------------------------------------------------------------------
 
 

@@ -298,6 +298,58 @@ def test_gguf_pull_fetches_only_the_chosen_file(hub: FakeHub, tmp_path: Path) ->
     assert code == 1 and "tiny/gguf:tiny-" in err  # no config.json: suggests pulling a GGUF file
 
 
+def test_a_split_gguf_model_is_pulled_listed_run_and_removed_as_one(hub: FakeHub, tmp_path: Path) -> None:
+    """A model split in parts (NAME-00001-of-00003.gguf ...), as many Hub repos publish larger files: pulling
+    any part fetches them all, the list shows one model under its first part, any part's name runs it,
+    a missing part is named, and `models rm` deletes every part."""
+    from chatapp.engine import LLM, SamplingParams
+    from chatapp.store import ModelNotFoundError, resolve_model
+    from tests.gguf_models import write_llama_gguf
+
+    first = write_llama_gguf(tmp_path / "m-Q8_0.gguf", mix="Q8_0", seed=21, split_max_tensors=8)
+    parts = {p.name: p.read_bytes() for p in sorted(tmp_path.glob("m-Q8_0-*-of-*.gguf"))}
+    names = sorted(parts)
+    assert len(names) == 3 and names[0] == first.name
+    summary = {"gguf": {"total": 1_000_000, "architecture": "llama", "context_length": 2048}}
+    hub.add_repo("tiny/split", {**parts, "other.gguf": tiny_gguf(tmp_path / "other.gguf").read_bytes()}, info=summary)
+
+    code, out, err = run_cli("models", "pull", f"tiny/split:{names[1]}")
+    assert code == 0, err
+    snapshot = _snapshot(hub, "tiny/split")
+    for name, data in parts.items():
+        assert (snapshot / name).read_bytes() == data
+    assert hub.served("other.gguf") == []
+    rows = [line for line in run_cli("models", "list")[1].splitlines() if line.startswith("tiny/split:")]
+    assert len(rows) == 1 and rows[0].startswith(f"tiny/split:{names[0]}") and rows[0].rstrip().endswith("ok")
+    resolved = resolve_model(f"tiny/split:{names[2]}")
+    assert resolved.name == f"tiny/split:{names[0]}" and resolved.path == snapshot / names[0]
+    out = LLM(f"tiny/split:{names[2]}", kv_cache_memory_gib=0.02).generate(["hi"], SamplingParams(max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+    (snapshot / names[2]).unlink()  # as an interrupted pull leaves it
+    row = next(line for line in run_cli("models", "list")[1].splitlines() if line.startswith("tiny/split:"))
+    assert "1 of its 3 parts are not downloaded" in row
+    with pytest.raises(ModelNotFoundError, match="only partly downloaded"):
+        resolve_model(f"tiny/split:{names[0]}")
+    assert run_cli("models", "pull", f"tiny/split:{names[0]}")[0] == 0  # puts the missing part back
+    assert (snapshot / names[2]).read_bytes() == parts[names[2]] and len(hub.served(names[1])) == 1
+    assert resolve_model(f"tiny/split:{names[0]}").path == snapshot / names[0]
+
+    assert run_cli("models", "pull", "tiny/split:other.gguf")[0] == 0
+    code, out, err = run_cli("models", "rm", f"tiny/split:{names[0]}", "--yes")
+    assert code == 0 and f"delete {names[0]} and its 2 other parts of tiny/split" in out, err
+    assert sorted(p.name for p in snapshot.iterdir()) == ["other.gguf"]
+    assert [line.split()[0] for line in run_cli("models", "list")[1].splitlines() if "tiny/split" in line] == [
+        "tiny/split:other.gguf"
+    ]
+
+    hub.add_repo("tiny/split-broken", {n: parts[n] for n in names[:2]}, info=summary)
+    fetched = len(hub.served(names[0]))
+    code, _, err = run_cli("models", "pull", f"tiny/split-broken:{names[0]}")
+    assert code == 1 and f"the repo lacks {names[2]}" in err
+    assert len(hub.served(names[0])) == fetched  # refused before any part is fetched
+
+
 def test_rm_asks_first_and_deletes_from_the_hf_cache(hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
     assert run_cli("models", "pull", REPO)[0] == 0
     repo_dir = hub.cache / "models--tiny--llama"

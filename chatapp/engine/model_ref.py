@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from chatapp.engine.models.gguf_split import metadata_part
+
 
 @dataclass(frozen=True)
 class ModelRef:
@@ -45,8 +47,11 @@ def resolve_path(spec: str | None) -> ModelRef:
     if spec is None:
         raise ValueError("no model given, and no model store is registered to pick the default one")
     path = Path(spec).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
-        return ModelRef(path.stem if path.is_file() else path.name, path.absolute())
+    if path.is_file() and path.suffix == ".gguf":
+        path = metadata_part(path)  # a split model by any of its parts: the first holds the metadata
+        return ModelRef(path.stem, path.absolute())
+    if path.is_dir():
+        return ModelRef(path.name, path.absolute())
     raise ValueError(f"{spec} is neither a model directory nor a .gguf file")
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatapp.engine.model_ref import is_gguf_path
 from chatapp.engine.models.config import read_json_object
+from chatapp.engine.models.gguf_split import metadata_part
 from chatapp.engine.reasoning import OPEN as THINK_OPEN
 from chatapp.engine.reasoning import prompt_opens_thinking
 
@@ -145,7 +146,7 @@ def prepare_tokenizer_files(path: Path) -> Path:
     process builds them at a time (a file lock): the engine's loader waits here for the build that
     start_tokenizer_build began, and builds them itself if that one failed.
     """
-    path = Path(path)
+    path = metadata_part(Path(path))  # a split GGUF model's metadata is in its first part
     if not is_gguf_path(path) and (path / "tokenizer.json").exists():
         return path
     cache = gguf_tokenizer_cache(path)
@@ -164,7 +165,7 @@ def start_tokenizer_build(path: Path) -> subprocess.Popen[bytes] | None:
     weights, on one core. Started before the engine imports torch, the build runs on another core
     meanwhile; prepare_tokenizer_files then finds the files, or waits for the build (its lock).
     """
-    path = Path(path)
+    path = metadata_part(Path(path))
     if not is_gguf_path(path) or (gguf_tokenizer_cache(path) / "tokenizer.json").exists():
         return None
     # OpenBLAS's threads (numpy, in the transformers fallback) would spin on the core the engine loads on.

@@ -23,6 +23,7 @@ from chatapp.engine.models.config import (
     optional_float,
 )
 from chatapp.engine.models.ggml_types import GGML_TYPES
+from chatapp.engine.models.gguf_split import SPLIT_COUNT_KEY, SPLIT_NUMBER_KEY, SPLIT_TENSORS_KEY, part_names
 
 if TYPE_CHECKING:  # numpy is imported where tensors are read: the tokenizer build (read_tokenizer_metadata) needs none
     import numpy as np
@@ -56,7 +57,8 @@ class GGUFTensor:
     type_id: int  # ggml's type id
     shape: tuple[int, ...]  # PyTorch order: (rows, columns) for a matrix
     data: np.ndarray  # memory-mapped uint8 [rows, row bytes], whatever the type
-    offset: int  # byte offset in the file
+    offset: int  # byte offset in its file
+    part: int = 0  # which file of a split model holds it (0: the first, or the only one)
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -182,50 +184,27 @@ def read_tokenizer_metadata(path: Path | str, string_arrays: Container[str] = ()
         return fields
 
 
-class GGUFModelFile:
-    """An open GGUF file: metadata, model config and tensors by name (nothing read until asked).
+class _Part:
+    """One GGUF file, memory-mapped: its metadata and tensor table (a whole model, or one part of a split one)."""
 
-    Why our own header reader: the `gguf` package's reader builds a numpy object for every
-    vocabulary entry, which costs seconds and hundreds of MB for a 128k vocabulary; we need the
-    model's numbers and the tensor table only (the tokenizer is built from the file separately).
-    """
-
-    def __init__(self, path: Path | str) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path, buf: mmap.mmap) -> None:
+        self.path, self.buf = path, buf
         try:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:  # unreadable, or empty (mmap refuses length 0)
-            raise GGUFError(f"{self.path.name} is not a readable GGUF file ({exc})") from exc
-        try:
-            self._fields, tensor_table, data_start = self._read_header()
+            self.fields, self.table, self.data_start = self._read_header()
         except GGUFError as exc:
-            raise GGUFError(f"{self.path.name} is not a readable GGUF file ({exc})") from exc
-        import numpy as np
+            raise GGUFError(f"{path.name} is not a readable GGUF file ({exc})") from exc
 
-        size = len(self._mmap)
-        self._data = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.tensors: dict[str, GGUFTensor] = {}
-        for name, dims, type_id, offset in tensor_table:
-            qtype = GGML_TYPES.get(type_id)
-            if qtype is None:
-                raise GGUFError(f"{self.path.name}: tensor {name} has unknown type {type_id}")
-            block, block_bytes = qtype.block_weights, qtype.block_bytes
-            shape = tuple(int(n) for n in reversed(dims)) or (1,)
-            columns = shape[-1]
-            rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-            if columns % block:
-                raise GGUFError(f"{self.path.name}: tensor {name} has {columns} columns, not whole {qtype.name} blocks")
-            row_bytes = columns // block * block_bytes
-            start = data_start + offset
-            if start + rows * row_bytes > size:
-                raise GGUFError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
-            data = self._data[start : start + rows * row_bytes].reshape(rows, row_bytes)
-            self.tensors[name] = GGUFTensor(name, qtype.name, int(type_id), shape, data, start)
-        self.architecture = str(self.field("general.architecture", ""))
+    @classmethod
+    def open(cls, path: Path) -> _Part:
+        try:
+            with open(path, "rb") as f:
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:  # unreadable, or empty (mmap refuses length 0)
+            raise GGUFError(f"{path.name} is not a readable GGUF file ({exc})") from exc
+        return cls(path, buf)
 
     def _read_header(self) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]], int]:
-        r = _HeaderReader(self._mmap)
+        r = _HeaderReader(self.buf)
         num_tensors, num_fields = r.preamble()
         fields: dict[str, Any] = {}
         for _ in range(num_fields):
@@ -238,6 +217,107 @@ class GGUFModelFile:
             table.append((name, dims, r.take("<I"), r.take("<Q")))
         alignment = int(fields.get("general.alignment", 32)) or 32
         return fields, table, -(-r.pos // alignment) * alignment
+
+    def split_count(self) -> int:
+        """How many files the model is split in (1: this file is the whole model)."""
+        return _whole(self, SPLIT_COUNT_KEY, 1)
+
+    def split_number(self) -> int:
+        """Which part this is, from 1."""
+        return _whole(self, SPLIT_NUMBER_KEY, 0) + 1
+
+    def tensors(self, part: int) -> list[GGUFTensor]:
+        """The tensor table as tensors over this file's memory map, each checked to lie within the file."""
+        import numpy as np
+
+        name_of_file, size = self.path.name, len(self.buf)
+        data = np.frombuffer(self.buf, dtype=np.uint8)
+        out = []
+        for name, dims, type_id, offset in self.table:
+            qtype = GGML_TYPES.get(type_id)
+            if qtype is None:
+                raise GGUFError(f"{name_of_file}: tensor {name} has unknown type {type_id}")
+            block, block_bytes = qtype.block_weights, qtype.block_bytes
+            shape = tuple(int(n) for n in reversed(dims)) or (1,)
+            columns = shape[-1]
+            rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+            if columns % block:
+                raise GGUFError(f"{name_of_file}: tensor {name} has {columns} columns, not whole {qtype.name} blocks")
+            row_bytes = columns // block * block_bytes
+            start = self.data_start + offset
+            if start + rows * row_bytes > size:
+                raise GGUFError(f"{name_of_file} is truncated: tensor {name} ends past the end of the file")
+            rows_data = data[start : start + rows * row_bytes].reshape(rows, row_bytes)
+            out.append(GGUFTensor(name, qtype.name, int(type_id), shape, rows_data, start, part))
+        return out
+
+
+def _whole(part: _Part, key: str, default: int) -> int:
+    """A split field: a whole number, or a clear error naming the file."""
+    value = part.fields.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GGUFError(f"{part.path.name} has a wrong {key} ({value!r})")
+    return value
+
+
+def _all_parts(given: _Part, count: int) -> list[_Part]:
+    """Every part of the split model ``given`` is a part of, found beside it by name, first part first."""
+    number = given.split_number()
+    names = part_names(given.path)
+    if names is None or len(names) != count or names[number - 1] != given.path:
+        raise GGUFError(
+            f"{given.path.name} is part {number} of a model split in {count} files, but its name is not that "
+            f"part's (NAME-{number:05d}-of-{count:05d}.gguf), so the other parts cannot be found; keep the "
+            "names they were downloaded with"
+        )
+    parts = []
+    for index, name in enumerate(names, start=1):
+        if name == given.path:
+            parts.append(given)
+            continue
+        if not name.exists():
+            raise GGUFError(
+                f"{given.path.name} is one of the {count} parts of a split model, and part {index} "
+                f"({name.name}) is not beside it; download every part"
+            )
+        part = _Part.open(name)
+        if (part.split_number(), part.split_count()) != (index, count):
+            raise GGUFError(
+                f"{name.name} is not part {index} of {count} of the model in {given.path.name} (its metadata "
+                f"says part {part.split_number()} of {part.split_count()})"
+            )
+        parts.append(part)
+    return parts
+
+
+class GGUFModelFile:
+    """An open GGUF file: metadata, model config and tensors by name (nothing read until asked).
+
+    Why our own header reader: the `gguf` package's reader builds a numpy object for every
+    vocabulary entry, which costs seconds and hundreds of MB for a 128k vocabulary; we need the
+    model's numbers and the tensor table only (the tokenizer is built from the file separately).
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        given = Path(path)
+        first = _Part.open(given)
+        count = first.split_count()
+        parts = [first] if count == 1 else _all_parts(first, count)
+        self.path = parts[0].path  # the part with the metadata (a split model may be named by any part)
+        self._fields = parts[0].fields
+        self._maps = [part.buf for part in parts]
+        self.tensors: dict[str, GGUFTensor] = {}
+        for index, part in enumerate(parts):
+            for tensor in part.tensors(index):
+                if tensor.name in self.tensors:
+                    raise GGUFError(f"{part.path.name}: tensor {tensor.name} is in two parts of the model")
+                self.tensors[tensor.name] = tensor
+        if count > 1 and len(self.tensors) != _whole(parts[0], SPLIT_TENSORS_KEY, len(self.tensors)):
+            raise GGUFError(
+                f"the {count} parts of {self.path.name} hold {len(self.tensors)} tensors, but its metadata "
+                f"says {parts[0].fields[SPLIT_TENSORS_KEY]}"
+            )
+        self.architecture = str(self.field("general.architecture", ""))
 
     def field(self, key: str, default: Any = None) -> Any:
         value = self._fields.get(key)
@@ -258,7 +338,7 @@ class GGUFModelFile:
         The file stays mapped (and in the page cache); only our resident set shrinks, so
         loading never holds the file and its packed copy at once.
         """
-        mm = self._mmap
+        mm = self._maps[tensor.part]
         if not hasattr(mm, "madvise"):
             return
         first, last, _ = rows.indices(tensor.data.shape[0])

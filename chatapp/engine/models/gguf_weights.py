@@ -8,6 +8,7 @@ projections' parts found by name, and projections repacked into our kernels' til
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from types import ModuleType
@@ -95,9 +96,7 @@ class GGUFWeights:
         order = self.row_order(tensor, heads)
         if order is None:
             return tensor
-        return GGUFTensor(
-            tensor.name, tensor.type_name, tensor.type_id, tensor.shape, tensor.data[order], tensor.offset
-        )
+        return dataclasses.replace(tensor, data=tensor.data[order])
 
     def row_order(self, tensor: GGUFTensor, heads: int | None) -> np.ndarray | None:
         if heads is None or not self.gguf.permuted_qk:
