@@ -19,6 +19,8 @@ _FP16_FIELDS = {
     "Q4_K": ([0, 2], []),
     "Q5_K": ([0, 2], []),
     "Q6_K": ([208], []),
+    "Q3_K": ([108], []),
+    "IQ4_NL": ([0], []),
 }
 # A typical |weight| per unit of the fp16 scale, to aim the weights' size: codes x integer scales.
 _SCALE_UNIT = {
@@ -30,8 +32,13 @@ _SCALE_UNIT = {
     "Q4_K": 8 * 32,
     "Q5_K": 16 * 32,
     "Q6_K": 32 * 64,
+    "Q3_K": 4 * 32,
+    "IQ4_NL": 64,
 }
-BLOCK_TYPES = tuple(_FP16_FIELDS)
+WIDENED_TYPES = ("Q3_K", "IQ4_NL")
+"""Types held exactly by another type's packed kind, at more bytes a weight (csrc/gguf_repack.cpp)."""
+BLOCK_TYPES = tuple(t for t in _FP16_FIELDS if t not in WIDENED_TYPES)
+"""Types with a packed kind of their own."""
 
 
 def random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator, weight_size: float = 0.05) -> np.ndarray:

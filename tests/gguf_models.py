@@ -58,6 +58,7 @@ SHAPES = {
 MIXES = {
     "Q4_K_M": {"default": "Q4_K", "output": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"},
     "Q5_K_M": {"default": "Q5_K", "output": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K"},
+    "Q3_K_M": {"default": "Q3_K", "output": "Q6_K", "attn_v": "Q5_K", "ffn_down": "Q4_K"},
 }
 
 

@@ -16,7 +16,7 @@ from chatapp.engine import LLM, SamplingParams, cpu_kernels
 from chatapp.engine.block_quant import K_KINDS, BlockQuantLinear, block_inputs, dequantize
 from chatapp.engine.models.config import UnsupportedModelError
 from chatapp.engine.models.gguf_file import GGUFError
-from tests.gguf_blocks import BLOCK_TYPES, random_blocks
+from tests.gguf_blocks import BLOCK_TYPES, WIDENED_TYPES, random_blocks
 from tests.gguf_models import LlamaShape, write_llama_gguf
 
 KIND_OF = {"Q4_0": 5, "Q4_1": 4, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 104, "Q5_K": 105, "Q6_K": 106}
@@ -50,6 +50,29 @@ def test_every_type_keeps_the_files_weights_bit_for_bit(ext, type_name: str) -> 
         theirs = quants.dequantize(raw, GGMLQuantizationType[type_name])
         assert ours.shape == theirs.shape == (rows, k)
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+@pytest.mark.parametrize("type_name", WIDENED_TYPES)
+def test_types_held_by_another_kind_keep_the_files_weights_bit_for_bit(ext, type_name: str) -> None:
+    """Q3_K (held by Q6_K's kind) and IQ4_NL (by Q8_0's) packed and de-quantised give exactly what gguf's
+    own de-quantisation of the file's blocks gives, every code and packed scale bit clear and set too."""
+    rng = np.random.default_rng(17)
+    block_bytes, d = (110, slice(108, 110)) if type_name == "Q3_K" else (18, slice(0, 2))
+    for rows, k in ((40, 512), (3, 1024)):  # 40 and 3: tiles padded with empty channels
+        raw = random_blocks(type_name, rows, k, rng)
+        extremes = []
+        for fill in (0x00, 0xFF):
+            extreme = raw.copy().reshape(rows, -1, block_bytes)
+            kept = extreme[..., d].copy()
+            extreme[...] = fill
+            extreme[..., d] = kept
+            extremes.append(extreme.reshape(rows, -1))
+        for blocks in (raw, *extremes):
+            packed, kind = repack(ext, blocks, type_name, k)
+            assert kind == (KIND_OF["Q6_K"] if type_name == "Q3_K" else KIND_OF["Q8_0"])
+            ours = dequantize(packed, kind, rows).numpy()
+            theirs = quants.dequantize(blocks, GGMLQuantizationType[type_name])
+            assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
 # Bytes a decode step reads per weight over the file's own: single-stream decode streams every weight once,
@@ -177,7 +200,7 @@ def test_repack_rejects_rows_that_do_not_match_the_type(ext) -> None:
     with pytest.raises(RuntimeError, match="256-weight blocks"):
         repack(ext, raw[:, :100], "Q4_K", 200)
     with pytest.raises(RuntimeError, match="no packed kind"):
-        ext.repack_gguf(torch.from_numpy(raw), int(GGMLQuantizationType.IQ4_NL), 512)
+        ext.repack_gguf(torch.from_numpy(raw), int(GGMLQuantizationType.IQ4_XS), 512)
 
 
 def test_torch_fallback_runs_the_same_weights_for_k_kinds(ext) -> None:
@@ -200,7 +223,7 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gguf-files")
 
 
-@pytest.mark.parametrize("mix", [*BLOCK_TYPES, "Q4_K_M"])
+@pytest.mark.parametrize("mix", [*BLOCK_TYPES, "Q4_K_M", "Q3_K_M", "IQ4_NL"])
 def test_a_gguf_file_runs_in_its_own_types_close_to_its_float_model(gguf_dir: Path, mix: str) -> None:
     """Each type's file runs natively ("gguf") and follows the float model of the same weights: the
     only difference is the int8 rounding of activations (as in llama.cpp), so the next-token choice
@@ -228,6 +251,25 @@ def test_q4_k_m_keeps_every_tensor_in_its_own_type(gguf_dir: Path) -> None:
     assert layer1.self_attn.qkv_proj.kinds == (104,)
     assert layer0.mlp.down_proj.kinds == (106,) and layer1.mlp.down_proj.kinds == (104,)
     assert model.quantized_lm_head.kinds == (106,)
+
+
+def test_q3_k_and_iq4_nl_tensors_run_packed_in_the_kinds_that_hold_them(gguf_dir: Path) -> None:
+    """Not de-quantised to float32 (7-9x the file): Q3_K runs in Q6_K's kind, IQ4_NL in Q8_0's, beside
+    the file's other types in their own, and the memory estimate counts them so."""
+    from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.engine.models.gguf_weights import native_weight_bytes
+
+    path = write_llama_gguf(gguf_dir / "tiny-q3.gguf", mix="Q3_K_M", seed=19)
+    runner = LLM(str(path), kv_cache_memory_gib=0.02, runner="torch").core.runner
+    layer0, layer1 = runner.model.layers[0], runner.model.layers[1]
+    assert layer0.self_attn.qkv_proj.kinds == (106, 105)  # q and k (Q3_K) in Q6_K's kind, v (Q5_K) in its own
+    assert layer1.self_attn.qkv_proj.kinds == (106,) and layer1.mlp.down_proj.kinds == (106,)
+    assert layer0.mlp.down_proj.kinds == (104,)
+    gguf = GGUFModelFile(path)
+    assert native_weight_bytes(gguf, gguf.model_config()) < 2.2 * path.stat().st_size
+    iq4 = write_llama_gguf(gguf_dir / "tiny-iq4.gguf", mix="IQ4_NL", seed=19)
+    model = LLM(str(iq4), kv_cache_memory_gib=0.02, runner="torch").core.runner.model
+    assert model.layers[0].self_attn.qkv_proj.kinds == (8,) and model.quantized_lm_head.kinds == (8,)
 
 
 def test_native_answers_do_not_depend_on_batch_or_chunking(gguf_dir: Path) -> None:

@@ -27,6 +27,9 @@ KIND_FOR_GGUF_TYPE = {
     "Q4_K": KIND_Q4K,
     "Q5_K": KIND_Q5K,
     "Q6_K": KIND_Q6K,
+    # held exactly by a kind of another type (gguf_repack.cpp says how), at 1.9x the file's bytes
+    "Q3_K": KIND_Q6K,
+    "IQ4_NL": KIND_Q8,
 }
 TILE_BYTES = {
     KIND_Q4: 320,

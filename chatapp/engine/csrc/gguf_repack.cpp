@@ -10,6 +10,11 @@
 //   Q4_0 -> kind 5 (codes offset by 8)         Q4_1 -> kind 4   Q8_0 -> kind 8
 //   Q5_0 -> kind 6 (codes offset by 16)        Q5_1 -> kind 7
 //   Q4_K -> 104   Q5_K -> 105   Q6_K -> 106
+// Two types our kernels have no loop of their own for are held exactly by a kind that does, at more bytes
+// a weight (1.9x the file's) but with the file's very factors, in the file's order:
+//   Q3_K -> 106: d x a 6-bit scale (-32..31) x a code (-4..3) per 16 weights is Q6_K's d x int8 scale x
+//                code (-32..31), the code stored + 32 as Q6_K stores it
+//   IQ4_NL -> kind 8: d x one of 16 fixed values (-127..113) per 32 weights is Q8_0's d x an int8
 #include <ATen/Parallel.h>
 
 #include <cstring>
@@ -20,7 +25,10 @@
 namespace {
 
 // ggml type ids (ggml.h) and block bytes.
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
+                  kQ6_K = 14, kIQ4_NL = 20;
+// IQ4_NL's 16 values (ggml-common.h's kvalues_iq4nl).
+constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 int64_t gguf_block_bytes(int64_t type) {
   switch (type) {
@@ -29,6 +37,8 @@ int64_t gguf_block_bytes(int64_t type) {
     case kQ5_0: return 22;
     case kQ5_1: return 24;
     case kQ8_0: return 34;
+    case kIQ4_NL: return 18;
+    case kQ3_K: return 110;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
@@ -42,10 +52,12 @@ int64_t kind_for(int64_t type) {
     case kQ4_1: return kKindQ4;
     case kQ5_0: return kKindQ5S;
     case kQ5_1: return kKindQ5M;
-    case kQ8_0: return kKindQ8;
+    case kQ8_0:
+    case kIQ4_NL: return kKindQ8;
+    case kQ3_K:
+    case kQ6_K: return kKindQ6K;
     case kQ4_K: return kKindQ4K;
     case kQ5_K: return kKindQ5K;
-    case kQ6_K: return kKindQ6K;
     default: return 0;
   }
 }
@@ -96,6 +108,12 @@ Block32 decode_block32(int64_t type, const uint8_t* p) {
       }
       break;
     }
+    case kIQ4_NL:  // value index of weight i: byte i's low nibble (i < 16), byte i - 16's high nibble
+      for (int i = 0; i < 32; ++i) {
+        const int index = i < 16 ? p[2 + i] & 0x0F : p[2 + i - 16] >> 4;
+        b.code[i] = static_cast<uint8_t>(kIQ4NLValues[index] + 128);  // kind 8's codes are offset by 128
+      }
+      break;
     default:  // Q8_0
       for (int i = 0; i < 32; ++i) b.code[i] = static_cast<uint8_t>(static_cast<int8_t>(p[2 + i]) + 128);
   }
@@ -124,6 +142,21 @@ void scale_min_k4(const uint8_t* s, int j, uint8_t& sc, uint8_t& m) {
 // of the file at each start.
 Block256 decode_block256(int64_t type, const uint8_t* p) {
   Block256 b{};
+  if (type == kQ3_K) {  // hmask[32], qs[64], scales[12], d: decoded as the Q6_K super-block of its weights
+    const uint8_t *hmask = p, *qs = p + 32, *sc = p + 96;
+    for (int s = 0; s < 16; ++s) {  // scale s: low 4 bits in byte s % 8 (nibble s / 8), top 2 in byte 8 + s % 4
+      const int low = (sc[s % 8] >> (4 * (s / 8))) & 0x0F, high = (sc[8 + s % 4] >> (2 * (s / 4))) & 0x03;
+      b.sc[s] = static_cast<int8_t>((low | high << 4) - 32);
+    }
+    b.d = u16(p + 108);
+    for (int h = 0; h < 2; ++h)  // weight 128h + 32s + l: bits 2s..2s+1 of qs[32h + l], and 4 taken off
+      for (int s = 0; s < 4; ++s)  // unless bit (4h + s) of hmask[l] is set; stored + 32, as Q6_K's codes
+        for (int l = 0; l < 32; ++l) {
+          const int low = (qs[32 * h + l] >> (2 * s)) & 0x03, bit = (hmask[l] >> (4 * h + s)) & 1;
+          b.code[128 * h + 32 * s + l] = static_cast<uint8_t>(low - (bit ? 0 : 4) + 32);
+        }
+    return b;
+  }
   if (type == kQ6_K) {
     const uint8_t *ql = p, *qh = p + 128;
     for (int s = 0; s < 16; ++s) b.sc[s] = static_cast<int8_t>(p[192 + s]);

@@ -4,7 +4,8 @@ Two ways, chosen by the model runner:
 - native (the CPU with our C++ kernels): every projection keeps the file's own blocks, repacked
   into our kernels' tiles (csrc/gguf_repack.cpp), each tensor in its own type (a Q4_K_M file runs
   Q4_K and Q6_K side by side). The token embeddings stay in the file and are de-quantised a row
-  at a time as tokens come. Types our kernels do not take (F16, BF16, IQ*, Q2_K, Q3_K, ...) are
+  at a time as tokens come (Q3_K and IQ4_NL are held exactly by the kinds of Q6_K and Q8_0). Types our
+  kernels do not take (F16, BF16, Q2_K, IQ4_XS and the other IQ types, ...) are
   de-quantised to float32 for that tensor alone: slower, still exact.
 - float (a GPU, or no compiler): each tensor is de-quantised by the `gguf` package into the
   model's dtype as it is read.
