@@ -86,7 +86,6 @@ def _import_load_path() -> None:
     import chatapp.engine.array_runner  # noqa: F401
     import chatapp.engine.models.array_model  # noqa: F401
     import chatapp.engine.models.gguf_weights  # noqa: F401
-    import chatapp.store  # noqa: F401  (model_ref's resolver)
 
 
 def _start_tokenizer_build(argv: list[str]) -> None:
