@@ -338,6 +338,13 @@ def test_a_split_model_with_a_part_missing_renamed_or_foreign_is_named(tmp_path:
         GGUFModelFile(first)
     third.write_bytes(kept)
     assert len(GGUFModelFile(first).tensors) == len(GGUFModelFile(other).tensors)
+    # a part number past the count (a corrupt header) is named, not an IndexError
+    header = bytearray(kept)
+    at = header.index(b"split.no") + len(b"split.no") + 4  # past the key and its value type (uint16)
+    header[at : at + 2] = (7).to_bytes(2, "little")
+    third.write_bytes(bytes(header))
+    with pytest.raises(GGUFError, match=r"is part 8 of a model split in 3 files, but its name is not"):
+        GGUFModelFile(third)
 
 
 # --- bad files ----------------------------------------------------------------------------------

@@ -264,7 +264,7 @@ def _all_parts(given: _Part, count: int) -> list[_Part]:
     """Every part of the split model ``given`` is a part of, found beside it by name, first part first."""
     number = given.split_number()
     names = part_names(given.path)
-    if names is None or len(names) != count or names[number - 1] != given.path:
+    if names is None or len(names) != count or not 1 <= number <= count or names[number - 1] != given.path:
         raise GGUFError(
             f"{given.path.name} is part {number} of a model split in {count} files, but its name is not that "
             f"part's (NAME-{number:05d}-of-{count:05d}.gguf), so the other parts cannot be found; keep the "
