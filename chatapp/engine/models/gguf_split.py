@@ -47,13 +47,7 @@ def metadata_part(path: Path) -> Path:
     """The file to read a model named by ``path`` from: a split model's first part, when it is there
     (when it is not, the reader of ``path`` names the part that is missing); ``path`` otherwise."""
     first = first_part(path)
-    return first if first != path and first.exists() else path
-
-
-def is_later_part(path: PurePath) -> bool:
-    """Whether ``path`` names a part of a split model other than the first (listed under the first)."""
-    parts = part_names(path)
-    return parts is not None and parts[0] != path
+    return first if first.exists() else path
 
 
 def gguf_models(names: Iterable[str]) -> list[str]:
