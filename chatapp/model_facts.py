@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from chatapp.engine.models.checkpoint_files import CheckpointError, checkpoint_files
-from chatapp.engine.models.gguf_split import model_files
+from chatapp.engine.models.gguf_split import files_size
 
 # GGUF `general.architecture` -> the Hugging Face class our engine runs for it (one map, the engine's).
 
@@ -272,8 +272,7 @@ def facts_from_gguf(path: Path) -> ModelFacts:
     except Exception as e:  # truncated or not GGUF at all: say so in the listing rather than crash it
         return ModelFacts(None, None, None, None, None, None, False, f"unreadable GGUF file ({e})")
     # The engine runs the file's own blocks: its size (all its parts', for a split model) is what the weights take.
-    weights = sum(part.stat().st_size for part in model_files(path) if part.is_file())
-    return replace(facts_from_gguf_summary(summary), weights_bytes=weights)
+    return replace(facts_from_gguf_summary(summary), weights_bytes=files_size(path))
 
 
 def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from chatapp import paths
 from chatapp.engine.models.checkpoint_files import CheckpointError, checkpoint_files
-from chatapp.engine.models.gguf_split import first_part, gguf_models, metadata_part, model_files
+from chatapp.engine.models.gguf_split import files_size, first_part, gguf_models, metadata_part, model_files
 from chatapp.model_facts import ModelFacts, facts_from_gguf, facts_from_model_dir
 
 if TYPE_CHECKING:
@@ -298,8 +298,7 @@ def _registered_model(path: Path) -> LocalModel:
         missing = ModelFacts(None, None, None, None, None, None, False, "the path no longer exists")
         return LocalModel(name, "gguf" if path.suffix == ".gguf" else "directory", path, None, missing)
     if path.is_file():
-        size = sum(part.stat().st_size for part in model_files(path) if part.is_file())
-        return LocalModel(name, "gguf", path, size, facts_from_gguf(path))
+        return LocalModel(name, "gguf", path, files_size(path), facts_from_gguf(path))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return LocalModel(name, "directory", path, size, facts_from_model_dir(path))
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from chatapp.engine.api import ModelInfo
-from chatapp.engine.models.gguf_split import model_files
+from chatapp.engine.models.gguf_split import files_size
 
 if TYPE_CHECKING:
     from chatapp.engine.core import EngineCore
@@ -85,7 +85,7 @@ def estimate_weight_bytes(path: Path) -> int:
     """A model's weights before loading it: a GGUF file's size (all its parts', for a split model), or a
     directory's weight files."""
     if path.is_file():
-        return sum(part.stat().st_size for part in model_files(path) if part.is_file())
+        return files_size(path)
     total = 0
     for pattern in ("*.safetensors", "*.bin", "*.gguf"):
         total += sum(f.stat().st_size for f in path.glob(pattern) if f.is_file())

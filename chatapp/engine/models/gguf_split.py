@@ -59,3 +59,8 @@ def gguf_models(names: Iterable[str]) -> list[str]:
 def model_files(path: PathT) -> list[PathT]:
     """The files that hold the model ``path`` names: all its parts, or the file itself."""
     return part_names(path) or [path]
+
+
+def files_size(path: Path) -> int:
+    """Bytes on disk of the model ``path`` names: all its parts that are there, or the file itself."""
+    return sum(part.stat().st_size for part in model_files(path) if part.is_file())
