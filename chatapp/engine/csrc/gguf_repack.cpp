@@ -19,10 +19,23 @@
 
 #include <cstring>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 #include "block_quant.h"
 #include "worker_pool.h"
 
 namespace {
+
+#if defined(__linux__)
+#if defined(MADV_POPULATE_WRITE)
+constexpr int kPopulateWrite = MADV_POPULATE_WRITE;
+#else
+constexpr int kPopulateWrite = 23;  // Linux 5.14's value, for older headers
+#endif
+#endif
 
 // ggml type ids (ggml.h) and block bytes.
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
@@ -319,6 +332,25 @@ bool write_direct(int64_t type, uint8_t* blk, int64_t c, const uint8_t* p) {
   }
 }
 
+// Maps in the pages of [p, p + n) that lie wholly inside it, ready to be written, in one call.
+//
+// Why: the packed weights go to fresh anonymous memory (gguf_weights.py says why), and each first write to a
+// page there traps into the kernel: ~175,000 traps for a 1B model's 700 MB, a fifth of a start's CPU on this VM.
+// MADV_POPULATE_WRITE (Linux 5.14) maps a range's pages in one call at about two thirds of that cost (700 MB:
+// 0.22-0.29 s of CPU against 0.33-0.36 s for the traps, with the writes). Each repack thread maps its own
+// tiles, so the work stays split. Memory that is already there (at::zeros), or a kernel without the call,
+// makes it a no-op: the writes then fault the pages in as before.
+void populate_for_writing(uint8_t* p, int64_t n) {
+#if defined(__linux__)
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t first = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(n)) / page * page;
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, kPopulateWrite);
+#else
+  (void)p, (void)n;
+#endif
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t k,
@@ -352,6 +384,7 @@ std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   chatapp::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    populate_for_writing(dst + t0 * blocks * tile_bytes, (t1 - t0) * blocks * tile_bytes);
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n; ++c) {
         const int64_t r = t * kQuantTile + c;
