@@ -38,6 +38,7 @@ from chatapp.model_facts import (
     WONT_FIT,
     MemoryEstimate,
     ModelFacts,
+    cpu_bytes_per_file_byte,
     estimate_for,
     estimate_memory,
     facts_from_config,
@@ -295,9 +296,10 @@ def _plan_gguf(
         facts = facts_from_gguf_summary(gguf_info)
         if not facts.supported:
             raise HubError(f"{repo_id}:{filename} cannot run in chatapp: {facts.reason}")
-        # The engine runs the file's own blocks: the download's size is what the weights take.
+        # The engine runs most types' own blocks (the download's size is what the weights take); others wider.
         known = all(f.size for f in files)
-        facts = replace(facts, weights_bytes=sum(f.size or 0 for f in files) if known else None)
+        weights = int(sum(f.size or 0 for f in files) * cpu_bytes_per_file_byte(filename))
+        facts = replace(facts, weights_bytes=weights if known else None)
         estimate = estimate_for(facts, available_bytes=available_bytes)
     return PullPlan(repo_id, revision, commit, files, filename, facts, estimate)
 

@@ -12,8 +12,9 @@ import json
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from chatapp.engine.models.checkpoint_files import CheckpointError, checkpoint_files
@@ -271,8 +272,9 @@ def facts_from_gguf(path: Path) -> ModelFacts:
         summary = _gguf_summary(path)
     except Exception as e:  # truncated or not GGUF at all: say so in the listing rather than crash it
         return ModelFacts(None, None, None, None, None, None, False, f"unreadable GGUF file ({e})")
-    # The engine runs the file's own blocks: its size (all its parts', for a split model) is what the weights take.
-    return replace(facts_from_gguf_summary(summary), weights_bytes=files_size(path))
+    # What the engine's CPU packing of these tensors holds (for most types the file's own bytes; 1.9x for the
+    # types it widens, 4 bytes a weight for those it runs in float32); a summary without it: the files' size.
+    return replace(facts_from_gguf_summary(summary), weights_bytes=summary.get("cpu_weight_bytes") or files_size(path))
 
 
 def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:
@@ -300,11 +302,48 @@ def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:
     return ModelFacts(arch, family, params, quant, context, kv, True)
 
 
+# Part of a cached summary's key: a summary cached by an older chatapp lacks keys read_gguf_summary adds since.
+_SUMMARY_VERSION = 2
+
+
+# A GGUF file's type as its name says it (llama.cpp's labels: "Q4_K_M", "IQ4_XS", ...), in any case.
+_TYPE_IN_NAME = re.compile(r"(?<![A-Z0-9])(I?Q\d_(?:K|\d|NL|XXS|XS|S|M)|TQ\d_\d|BF16|F16|F32)(?:_[SML])?(?![A-Z0-9])")
+
+
+# File types named for a mix, not a tensor type: the type most of their tensors take (llama-quantize's).
+_MOSTLY = {"IQ3_M": "IQ3_S", "IQ3_XS": "IQ3_S", "IQ2_M": "IQ2_S"}
+
+
+def cpu_bytes_per_file_byte(filename: str) -> float:
+    """How many bytes the engine's CPU packing holds per byte of a GGUF file of the type its name says.
+
+    For a download not yet made, where only the file's name and size are known. 1.0 for the types our
+    kernels run as they are; more for those held in a wider kind or run in float32 (4 bytes a weight).
+    A name without a type, or a type not known here: 1.0. Mixed files keep some tensors in better types,
+    so for the widened ones this errs high, on the side of not downloading what will not fit.
+    """
+    import gguf
+
+    from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE, TILE, TILE_BYTES, block_inputs
+
+    found = _TYPE_IN_NAME.search(PurePosixPath(filename).name.upper())
+    name = found.group(1) if found else ""
+    name = _MOSTLY.get(name, name)
+    if name not in gguf.GGMLQuantizationType.__members__:
+        return 1.0
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    file_bytes_per_weight = block_bytes / block
+    kind = KIND_FOR_GGUF_TYPE.get(name)
+    cpu_bytes_per_weight = TILE_BYTES[kind] / (TILE * block_inputs(kind)) if kind is not None else 4.0
+    return max(1.0, cpu_bytes_per_weight / file_bytes_per_weight)
+
+
 def _gguf_summary(path: Path) -> dict[str, Any]:
     from chatapp import paths
 
     stat = path.stat()
-    key = hashlib.blake2b(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+    identity = f"{_SUMMARY_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
     cache = paths.cache_dir() / "gguf-info" / f"{key}.json"
     try:
         return json.loads(cache.read_text())
@@ -325,7 +364,8 @@ def read_gguf_summary(path: Path) -> dict[str, Any]:
     """Architecture, parameter count, quantisation and shape facts from a GGUF header (the engine's reader)."""
     import gguf
 
-    from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile
+    from chatapp.engine.models.gguf_weights import native_weight_bytes
 
     reader = GGUFModelFile(path)
     field = reader.field
@@ -339,6 +379,10 @@ def read_gguf_summary(path: Path) -> dict[str, Any]:
         quant = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
     except ValueError:
         quant = f"type {file_type}"
+    try:
+        cpu_weight_bytes: int | None = native_weight_bytes(reader, reader.model_config())
+    except (GGUFError, ValueError):  # an architecture or header the engine refuses: facts_from_gguf_summary says why
+        cpu_weight_bytes = None
     return {
         "architecture": arch,
         "parameters": int(sum(math.prod(t.shape) for t in reader.tensors.values())),
@@ -347,4 +391,5 @@ def read_gguf_summary(path: Path) -> dict[str, Any]:
         "block_count": field(f"{arch}.block_count"),
         "head_count_kv": field(f"{arch}.attention.head_count_kv") or heads,
         "head_dim": head_dim,
+        "cpu_weight_bytes": cpu_weight_bytes,
     }

@@ -51,8 +51,9 @@ def test_bundled_model_is_found_offline_on_a_fresh_install(tmp_path: Path) -> No
     assert listing.returncode == 0, listing.stderr
     row = next(line for line in listing.stdout.splitlines() if line.startswith(store.BUNDLED_NAME))
     assert row.split()[1:4] == ["bundled", "LlamaForCausalLM", "135M"] and "Q4_1" in row and row.endswith("ok")
-    # What it will take: the file's own weights (98.4 MB) + a float16 KV cache for its 8k context (188.7 MB).
-    assert "287.1 MB (fits)" in row and "available now" in listing.stderr
+    # What it will take: its weights as the engine holds them, the file's own blocks (96.6 MB of the file's
+    # 98.4 MB; the rest is its vocabulary), + a float16 KV cache for its 8k context (188.7 MB).
+    assert "285.3 MB (fits)" in row and "available now" in listing.stderr
 
     code = "from chatapp.store import resolve_model; m = resolve_model(None); print(m.source, m.path)"
     resolved = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
@@ -246,17 +247,51 @@ def test_memory_labels() -> None:
     assert "will not fit: needs about" in tight.describe()
 
 
-def test_a_gguf_files_weights_are_its_size_and_its_cache_is_half_precision() -> None:
+def test_a_gguf_files_weights_are_what_the_engine_holds_and_its_cache_is_half_precision() -> None:
     from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.engine.models.gguf_weights import native_weight_bytes
     from chatapp.store import bundled_gguf_path
 
     path = bundled_gguf_path()
     facts = model_facts.facts_from_gguf(path)
-    mc = GGUFModelFile(path).model_config()
-    assert facts.weights_bytes == path.stat().st_size  # run as it is, not as float32
+    gguf = GGUFModelFile(path)
+    mc = gguf.model_config()
+    assert facts.weights_bytes == native_weight_bytes(gguf, mc)
+    assert 0.9 * path.stat().st_size < facts.weights_bytes <= path.stat().st_size  # run as it is, not as float32
     assert facts.kv_bytes_per_token == mc.kv_bytes_per_token // 2  # float16 cache on the CPU
     estimate = model_facts.estimate_for(facts, available_bytes=16 << 30)
-    assert estimate.weights_bytes == path.stat().st_size and estimate.kv_tokens == facts.context_length
+    assert estimate.weights_bytes == facts.weights_bytes and estimate.kv_tokens == facts.context_length
+
+
+@pytest.mark.parametrize("mix", ["Q3_K_M", "F16"])
+def test_a_gguf_file_of_a_type_run_wider_is_listed_with_what_the_engine_will_hold(
+    home: Path, tmp_path: Path, mix: str
+) -> None:
+    """Q3_K runs in Q6_K's kind (1.9x its bytes), F16 in float32: a listing that took the file's size would
+    call a model that the engine then refuses "fits"."""
+    from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.engine.models.gguf_weights import native_weight_bytes
+    from tests.gguf_models import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / f"tiny-{mix}.gguf", mix=mix, tied=True)
+    gguf = GGUFModelFile(path)
+    facts = model_facts.facts_from_gguf(path)
+    weights_in_file = sum(t.data.nbytes for t in gguf.tensors.values())
+    assert facts.weights_bytes == native_weight_bytes(gguf, gguf.model_config()) > 1.7 * weights_in_file
+    assert model_facts.facts_from_gguf(path).weights_bytes == facts.weights_bytes  # from the cached summary too
+
+
+def test_a_gguf_downloads_memory_is_scaled_by_the_type_its_name_says() -> None:
+    from chatapp.engine.block_kinds import TILE_BYTES
+
+    per_file_byte = model_facts.cpu_bytes_per_file_byte
+    assert per_file_byte("org/Model-Q4_K_M.gguf") == pytest.approx(TILE_BYTES[104] / (16 * 256) / (144 / 256))
+    assert per_file_byte("model.Q8_0.gguf") == per_file_byte("Model-q4_0.gguf") == 1.0  # their own bytes
+    assert per_file_byte("Model-Q3_K_L.gguf") == pytest.approx(TILE_BYTES[106] / (16 * 256) / (110 / 256))
+    assert per_file_byte("Qwen2.5-7B-Instruct-IQ4_XS-00001-of-00002.gguf") == pytest.approx(4 / (136 / 256))
+    assert per_file_byte("Model-IQ3_M.gguf") == per_file_byte("Model-IQ3_S.gguf") > 9  # float32
+    assert per_file_byte("Model-F16.gguf") == per_file_byte("Model-BF16.gguf") == 2.0
+    assert per_file_byte("model.gguf") == per_file_byte("QQ4_K_MM.gguf") == 1.0  # no type named: its size
 
 
 def test_facts_count_the_real_parameters_and_flag_what_the_engine_cannot_load(tiny_llama: Path) -> None:
