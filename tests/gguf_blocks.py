@@ -21,6 +21,7 @@ _FP16_FIELDS = {
     "Q6_K": ([208], []),
     "Q3_K": ([108], []),
     "IQ4_NL": ([0], []),
+    "IQ4_XS": ([0], []),
 }
 # A typical |weight| per unit of the fp16 scale, to aim the weights' size: codes x integer scales.
 _SCALE_UNIT = {
@@ -34,6 +35,7 @@ _SCALE_UNIT = {
     "Q6_K": 32 * 64,
     "Q3_K": 4 * 32,
     "IQ4_NL": 64,
+    "IQ4_XS": 64 * 16,
 }
 WIDENED_TYPES = ("Q3_K", "IQ4_NL")
 """Types held exactly by another type's packed kind, at more bytes a weight (csrc/gguf_repack.cpp)."""

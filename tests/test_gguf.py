@@ -13,13 +13,13 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from chatapp.engine import LLM, SamplingParams, cpu_kernels
-from chatapp.engine.block_quant import K_KINDS, BlockQuantLinear, block_inputs, dequantize
+from chatapp.engine.block_quant import K_KINDS, KIND_FOR_GGUF_TYPE, BlockQuantLinear, block_inputs, dequantize
 from chatapp.engine.models.config import UnsupportedModelError
 from chatapp.engine.models.gguf_file import GGUFError
 from tests.gguf_blocks import BLOCK_TYPES, WIDENED_TYPES, random_blocks
 from tests.gguf_models import LlamaShape, write_llama_gguf
 
-KIND_OF = {"Q4_0": 5, "Q4_1": 4, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 104, "Q5_K": 105, "Q6_K": 106}
+KIND_OF = {"Q4_0": 5, "Q4_1": 4, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 104, "Q5_K": 105, "Q6_K": 106, "IQ4_XS": 108}
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +52,15 @@ def test_every_type_keeps_the_files_weights_bit_for_bit(ext, type_name: str) -> 
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
-@pytest.mark.parametrize("type_name", WIDENED_TYPES)
-def test_types_held_by_another_kind_keep_the_files_weights_bit_for_bit(ext, type_name: str) -> None:
-    """Q3_K (held by Q6_K's kind) and IQ4_NL (by Q8_0's) packed and de-quantised give exactly what gguf's
-    own de-quantisation of the file's blocks gives, every code and packed scale bit clear and set too."""
+@pytest.mark.parametrize("type_name", [*WIDENED_TYPES, "IQ4_XS"])
+def test_decoded_types_keep_the_files_weights_bit_for_bit(ext, type_name: str) -> None:
+    """Q3_K (held by Q6_K's kind), IQ4_NL (by Q8_0's) and IQ4_XS (by I8K, Q6_K's super-blocks with 8-bit
+    codes) packed and de-quantised give exactly what gguf's own de-quantisation of the file's blocks gives,
+    every code and packed scale bit clear and set too."""
     rng = np.random.default_rng(17)
-    block_bytes, d = (110, slice(108, 110)) if type_name == "Q3_K" else (18, slice(0, 2))
+    block_bytes, d = {"Q3_K": (110, slice(108, 110)), "IQ4_NL": (18, slice(0, 2)), "IQ4_XS": (136, slice(0, 2))}[
+        type_name
+    ]
     for rows, k in ((40, 512), (3, 1024)):  # 40 and 3: tiles padded with empty channels
         raw = random_blocks(type_name, rows, k, rng)
         extremes = []
@@ -69,7 +72,7 @@ def test_types_held_by_another_kind_keep_the_files_weights_bit_for_bit(ext, type
             extremes.append(extreme.reshape(rows, -1))
         for blocks in (raw, *extremes):
             packed, kind = repack(ext, blocks, type_name, k)
-            assert kind == (KIND_OF["Q6_K"] if type_name == "Q3_K" else KIND_OF["Q8_0"])
+            assert kind == KIND_FOR_GGUF_TYPE[type_name]
             ours = dequantize(packed, kind, rows).numpy()
             theirs = quants.dequantize(blocks, GGMLQuantizationType[type_name])
             assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
@@ -77,12 +80,13 @@ def test_types_held_by_another_kind_keep_the_files_weights_bit_for_bit(ext, type
 
 # Bytes a decode step reads per weight over the file's own: single-stream decode streams every weight once,
 # so a packing larger than the file is that much slower. The K kinds keep their 6-bit sub-block scales as
-# whole bytes (2-3% over the file); every other kind is the file's size exactly.
-PACKED_OVER_FILE = {"Q4_K": 2368 / 2304, "Q5_K": 2880 / 2816}
+# whole bytes (2-3% over the file); IQ4_XS's 4-bit indices into 16 values become the 8-bit values (2x);
+# every other kind is the file's size exactly.
+PACKED_OVER_FILE = {"Q4_K": 2368 / 2304, "Q5_K": 2880 / 2816, "IQ4_XS": 4384 / (16 * 136)}
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
-def test_a_packing_is_no_larger_than_the_file(ext, type_name: str) -> None:
+def test_a_packing_is_the_files_size_but_for_the_bytes_its_kind_needs(ext, type_name: str) -> None:
     rows, k = 64, 1024  # whole tiles: no padding channels
     raw = random_blocks(type_name, rows, k, np.random.default_rng(3))
     packed, _ = repack(ext, raw, type_name, k)
@@ -200,7 +204,7 @@ def test_repack_rejects_rows_that_do_not_match_the_type(ext) -> None:
     with pytest.raises(RuntimeError, match="256-weight blocks"):
         repack(ext, raw[:, :100], "Q4_K", 200)
     with pytest.raises(RuntimeError, match="no packed kind"):
-        ext.repack_gguf(torch.from_numpy(raw), int(GGMLQuantizationType.IQ4_XS), 512)
+        ext.repack_gguf(torch.from_numpy(raw), int(GGMLQuantizationType.Q2_K), 512)
 
 
 def test_torch_fallback_runs_the_same_weights_for_k_kinds(ext) -> None:

@@ -28,6 +28,7 @@ from chatapp.engine.block_kinds import (  # noqa: F401  (re-exported: the packed
     BLOCK,
     K_KINDS,
     KIND_FOR_GGUF_TYPE,
+    KIND_I8K,
     KIND_Q4,
     KIND_Q4K,
     KIND_Q4S,
@@ -147,6 +148,12 @@ def _fp16_at(packed: torch.Tensor, offset: int) -> torch.Tensor:
 def _dequantize_k(packed: torch.Tensor, kind: int) -> torch.Tensor:
     """K kinds -> [tiles * 16, super-blocks, 256] float32, as gguf's own de-quantisation computes it."""
     tiles, blocks = packed.shape[:2]
+    if kind == KIND_I8K:  # group g's input 4j + i of channel c at 512g + 64j + 4c + i, offset by 128
+        u = packed[..., :4096].reshape(tiles, blocks, 8, 8, TILE, 4).to(torch.int32) - 128
+        q = u.permute(0, 4, 1, 2, 3, 5).reshape(tiles, TILE, blocks, 16, 16).float()
+        d = _fp16_at(packed, 4096).transpose(1, 2)  # [tiles, 16, B]
+        sc = packed[..., 4128:4384].reshape(tiles, blocks, 16, TILE).view(torch.int8).float().permute(0, 3, 1, 2)
+        return ((d[..., None] * sc)[..., None] * q).reshape(tiles * TILE, blocks, SUPER_BLOCK)
     groups = packed[..., :2048].reshape(tiles, blocks, 8, 4, TILE, 4)
     q = _nibble_codes(groups).to(torch.int32)  # [tiles, B, 8 groups, 16 ch, 32]
     if kind == KIND_Q5K:

@@ -15,6 +15,8 @@
 //   Q3_K -> 106: d x a 6-bit scale (-32..31) x a code (-4..3) per 16 weights is Q6_K's d x int8 scale x
 //                code (-32..31), the code stored + 32 as Q6_K stores it
 //   IQ4_NL -> kind 8: d x one of 16 fixed values (-127..113) per 32 weights is Q8_0's d x an int8
+// and one has a kind of its own, as Q6_K's super-blocks with 8-bit codes (kquant.cpp's I8K, 2x the file's bytes):
+//   IQ4_XS -> 108: d x a 6-bit scale (-32..31) per 32 x one of IQ4_NL's values is d x int8 scale x int8 code
 #include <ATen/Parallel.h>
 
 #include <cstring>
@@ -39,7 +41,7 @@ constexpr int kPopulateWrite = 23;  // Linux 5.14's value, for older headers
 
 // ggml type ids (ggml.h) and block bytes.
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
-                  kQ6_K = 14, kIQ4_NL = 20;
+                  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23;
 // IQ4_NL's 16 values (ggml-common.h's kvalues_iq4nl).
 constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -55,6 +57,7 @@ int64_t gguf_block_bytes(int64_t type) {
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
+    case kIQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -71,6 +74,7 @@ int64_t kind_for(int64_t type) {
     case kQ6_K: return kKindQ6K;
     case kQ4_K: return kKindQ4K;
     case kQ5_K: return kKindQ5K;
+    case kIQ4_XS: return kKindI8K;
     default: return 0;
   }
 }
@@ -257,10 +261,10 @@ void write_block256(uint8_t* blk, int64_t kind, int64_t c, const Block256& b) {
   }
 }
 
-// Direct writers for the types people pull most (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): each goes from the
-// file's bytes to the tile's in words, without decoding to one byte per weight first. They write exactly
-// what decode_block* + write_block* write (tests/test_gguf.py holds every type to gguf's weights), about
-// 4x faster: a 1B Q4_K_M file's repack is most of its start.
+// Direct writers for the types people pull most (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), and IQ4_XS (which has only
+// this one): each goes from the file's bytes to the tile's in words, without decoding to one byte per weight
+// first. They write exactly what decode_block* + write_block* write (tests/test_gguf.py holds every type to
+// gguf's weights), about 4x faster: a 1B Q4_K_M file's repack is most of its start.
 
 void put_word(uint8_t* dst, uint32_t w) { std::memcpy(dst, &w, 4); }
 
@@ -309,6 +313,26 @@ bool write_direct(int64_t type, uint8_t* blk, int64_t c, const uint8_t* p) {
         blk[2112 + 16 * j + c] = sc;
         blk[2240 + 16 * j + c] = m;
       }
+      return true;
+    }
+    case kIQ4_XS: {  // d, scales_h (2 bits a scale), scales_l[4] (4 bits a scale), qs[128]: to kind I8K
+      const uint16_t high = u16(p + 2);
+      const uint8_t *low = p + 4, *qs = p + 8;
+      for (int g = 0; g < 8; ++g) {
+        for (int j = 0; j < 4; ++j) {  // input 4j + i of group g: qs[16g + 4j + i]'s low nibble; 16 + 4j + i: its high
+          const uint8_t* q = qs + 16 * g + 4 * j;
+          uint32_t first = 0, second = 0;
+          for (int i = 0; i < 4; ++i) {
+            first |= static_cast<uint32_t>(static_cast<uint8_t>(kIQ4NLValues[q[i] & 0x0F] + 128)) << (8 * i);
+            second |= static_cast<uint32_t>(static_cast<uint8_t>(kIQ4NLValues[q[i] >> 4] + 128)) << (8 * i);
+          }
+          put_word(blk + 512 * g + 64 * j + 4 * c, first);
+          put_word(blk + 512 * g + 64 * (j + 4) + 4 * c, second);
+        }
+        const int ls = ((low[g / 2] >> (4 * (g % 2))) & 0x0F) | (((high >> (2 * g)) & 0x03) << 4);
+        blk[4128 + 16 * (2 * g) + c] = blk[4128 + 16 * (2 * g + 1) + c] = static_cast<uint8_t>(ls - 32);  // both 16s
+      }
+      std::memcpy(blk + 4096 + 2 * c, p, 2);
       return true;
     }
     case kQ6_K: {

@@ -32,7 +32,11 @@
 //         unpack below), then d @2560, dmin @2592, sc @2624, m @2752.
 //   Q6_K: each group's bits 4-5 @2048 + 128g (two 64-byte planes, registers 0-3 and 4-7, two bits each),
 //         then d[16] fp16 @3072, sc[16 sub-blocks][16] int8 @3104.
-// gguf_repack.cpp writes all three.
+//   I8K (8-bit codes offset by 128, with Q6_K's scales: w = d * sc * (u - 128)): a kind of our own for types
+//         whose values take 8 bits (IQ4_XS: d * (ls - 32) * one of 16 values in -127..113). Group g's codes
+//         take 512 bytes at 512g, as block_quant.cpp's Q8 (chunk j, byte 4c + i: input 4j + i), then d[16] fp16
+//         @4096, sc[16][16] int8 @4128. Its arithmetic is Q6_K's with an offset of 128 for 32.
+// gguf_repack.cpp writes all four.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -148,14 +152,23 @@ struct KindLayout {
 constexpr KindLayout layout_of(int64_t kind) {
   return kind == kKindQ4K   ? KindLayout{kQ4KTileBytes, 2048, 2080, 2112, 2240, 0, 0}
          : kind == kKindQ5K ? KindLayout{kQ5KTileBytes, 2560, 2592, 2624, 2752, 2048, 64}
-                            : KindLayout{kQ6KTileBytes, 3072, 0, 3104, 0, 2048, 128};
+         : kind == kKindQ6K ? KindLayout{kQ6KTileBytes, 3072, 0, 3104, 0, 2048, 128}
+                            : KindLayout{kI8KTileBytes, 4096, 0, 4128, 0, 0, 0};
 }
+
+// The kinds with a signed scale per sub-block of 16 and no minimums (Q6_K, I8K): their codes' offset is taken off
+// where each sub-block's dot chain starts, at -offset * its sum of 16 activations.
+constexpr bool sub_block_scales(int64_t kind) { return kind == kKindQ6K || kind == kKindI8K; }
+constexpr int32_t sub_block_offset(int64_t kind) { return kind == kKindI8K ? 128 : 32; }
+// q6_start holds -32 * each sum of 16: I8K's chains start at 4 times that.
+constexpr int32_t start_factor(int64_t kind) { return sub_block_offset(kind) / 32; }
 
 // The code of channel c's input i (0..255) of a (tile, super-block), as the kernel sees it.
 template <int64_t kKind>
 inline int32_t code_at(const uint8_t* blk, int64_t c, int64_t i) {
   constexpr KindLayout L = layout_of(kKind);
   const int64_t g = i / 32, in = i % 32, half = in / 16, j = (in % 16) / 4, lane = 4 * c + in % 4;
+  if constexpr (kKind == kKindI8K) return blk[512 * g + 64 * (in / 4) + lane];
   const uint8_t byte = blk[256 * g + 64 * j + lane];
   int32_t q = half ? byte >> 4 : byte & 0x0F;
   const int64_t reg = j + 4 * half;  // the register (0..7) holding this input
@@ -177,9 +190,9 @@ void tile_loop(PortableLoop, const SuperBlockActivations& a, int64_t rows, int64
     for (int64_t s = 0; s < 16; ++s) {  // sub-blocks of 16 inputs
       int32_t dot = 0;
       for (int64_t i = 16 * s; i < 16 * s + 16; ++i) dot += code_at<kKind>(blk, c, i) * xq[i];
-      if constexpr (kKind == kKindQ6K) {
+      if constexpr (sub_block_scales(kKind)) {
         const float sc = static_cast<float>(static_cast<int8_t>(blk[L.sc_offset + 16 * s + c]));
-        fsum = std::fma(static_cast<float>(dot - 32 * xs[s]), sc, fsum);
+        fsum = std::fma(static_cast<float>(dot - sub_block_offset(kKind) * xs[s]), sc, fsum);
       } else {  // one scale per group of two sub-blocks: their dots are added first
         group_dot += dot;
         if (s % 2 == 1) {
@@ -190,7 +203,7 @@ void tile_loop(PortableLoop, const SuperBlockActivations& a, int64_t rows, int64
       }
     }
     f = std::fma(fsum, half_at(blk + L.d_offset + 2 * c) * dx, f);
-    if constexpr (kKind != kKindQ6K)
+    if constexpr (!sub_block_scales(kKind))
       f = std::fma(-static_cast<float>(imin), half_at(blk + L.dmin_offset + 2 * c) * dx, f);
   };
   walk_outputs<kSuperBlock, L.tile_bytes>(a, packed, k, t0, t1, rows, y, n_out, bias, block);
@@ -204,11 +217,15 @@ template <int64_t kKind>
 inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0, __m512i& sc1) {
   constexpr KindLayout L = layout_of(kKind);
   const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
-  const uint8_t* codes = blk + 256 * g;
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v = _mm512_loadu_si512(codes + 64 * j);
-    w[j] = _mm512_and_si512(v, low4);
-    w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  if constexpr (kKind == kKindI8K) {
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 512 * g + 64 * j);
+  } else {
+    const uint8_t* codes = blk + 256 * g;
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(codes + 64 * j);
+      w[j] = _mm512_and_si512(v, low4);
+      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
   }
   if constexpr (kKind == kKindQ5K) or_fifth_bits(w, _mm512_loadu_si512(blk + L.high_offset + 64 * g));
   if constexpr (kKind == kKindQ6K) {
@@ -222,7 +239,7 @@ inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0
       w[4 * p + 3] = _mm512_ternarylogic_epi32(w[4 * p + 3], _mm512_srli_epi16(h, 2), bits45, 0xF8);
     }
   }
-  if constexpr (kKind == kKindQ6K) {
+  if constexpr (sub_block_scales(kKind)) {
     sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g)));
     sc1 = _mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g + 16)));
@@ -262,12 +279,13 @@ CHATAPP_INLINE inline __m512i q4k_group_one_row(const uint8_t* blk, int64_t g, c
 }
 
 // A Q6_K group's two sub-blocks added to a row's float sum: fsum + sc * (dot - 32 * sum(x)), sub-block by
-// sub-block (q6: the group's two q6_start values, where its sub-blocks' chains start; fsc0, fsc1: the scales
-// as floats).
+// sub-block (q6: the group's two q6_start values, where its sub-blocks' chains start, times kFactor: 4 for
+// I8K's offset of 128; fsc0, fsc1: the scales as floats).
+template <int32_t kFactor>
 CHATAPP_INLINE inline __m512 q6k_group(const __m512i w[8], __m512 fsc0, __m512 fsc1, const int8_t* xq,
                                        const int32_t* q6, __m512 fsum) {
-  const __m512i c0 = dot_chain(w, xq, _mm512_set1_epi32(q6[0]));
-  const __m512i c1 = dot_chain(w + 4, xq + 16, _mm512_set1_epi32(q6[1]));
+  const __m512i c0 = dot_chain(w, xq, _mm512_set1_epi32(kFactor * q6[0]));
+  const __m512i c1 = dot_chain(w + 4, xq + 16, _mm512_set1_epi32(kFactor * q6[1]));
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), fsc1, _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), fsc0, fsum));
 }
 
@@ -279,7 +297,7 @@ constexpr int kPairs = 4;
 template <int64_t kKind>
 CHATAPP_INLINE inline void load_pairs(const uint8_t* blk, __m512i pairs[kPairs]) {
   constexpr KindLayout L = layout_of(kKind);
-  if constexpr (kKind != kKindQ6K)
+  if constexpr (!sub_block_scales(kKind))
     for (int p = 0; p < kPairs; ++p) {
       const uint8_t* at = blk + L.m_offset + 32 * p;
       const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
@@ -295,7 +313,7 @@ CHATAPP_INLINE inline __m512 finish_block(__m512 fsum, const __m512i pairs[kPair
                                           int64_t k, int64_t row, int64_t b, __m512 d, __m512 dmin, __m512 f) {
   const __m512 dx = _mm512_set1_ps(a.scale[row * (k / kSuperBlock) + b]);
   f = _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, dx), f);
-  if constexpr (kKind == kKindQ6K) return f;
+  if constexpr (sub_block_scales(kKind)) return f;
   const int32_t* x = a.pair32.data() + row * (k / 64) + 4 * b;
   __m512i word_dot = _mm512_setzero_si512();
   for (int p = 0; p < kPairs; ++p) word_dot = _mm512_dpwssd_epi32(word_dot, pairs[p], _mm512_set1_epi32(x[p]));
@@ -328,7 +346,7 @@ template <int64_t kKind>
 CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m512& dmin) {
   constexpr KindLayout L = layout_of(kKind);
   d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.d_offset)));
-  dmin = kKind == kKindQ6K ? _mm512_setzero_ps()
+  dmin = sub_block_scales(kKind) ? _mm512_setzero_ps()
                            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.dmin_offset)));
 }
 
@@ -355,8 +373,8 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
         } else {
           __m512i w[8], sc0, sc1;
           load_group<kKind>(blk, g, w, sc0, sc1);
-          if constexpr (kKind == kKindQ6K) {
-            fsum = q6k_group(w, _mm512_cvtepi32_ps(sc0), _mm512_cvtepi32_ps(sc1), xq + 32 * g, q6 + 2 * g, fsum);
+          if constexpr (sub_block_scales(kKind)) {
+            fsum = q6k_group<start_factor(kKind)>(w, _mm512_cvtepi32_ps(sc0), _mm512_cvtepi32_ps(sc1), xq + 32 * g, q6 + 2 * g, fsum);
           } else {
             const __m512i dot = _mm512_add_epi32(dot_chain(w, xq + 32 * g), dot_chain(w + 4, xq + 32 * g + 16));
             fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_cvtepi32_ps(sc0), fsum);
@@ -393,7 +411,7 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
       __m512i w[8], sc0, sc1;
       load_group<kKind>(blk, g, w, sc0, sc1);
       const int8_t* xq = a.by_group.data() + a.grouped(m0, b * 8 + g, k);  // rows m0.. follow it, 32 bytes apart
-      if constexpr (kKind == kKindQ6K) {
+      if constexpr (sub_block_scales(kKind)) {
         const __m512 fsc0 = _mm512_cvtepi32_ps(sc0), fsc1 = _mm512_cvtepi32_ps(sc1);
         const int32_t* q6 = a.q6_start.data() + m0 * (k / 16) + b * 16 + 2 * g;
         // q6k_group for kG rows at once: each row's two sub-block chains, the rows side by side.
@@ -401,8 +419,8 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
           constexpr int kG = decltype(size)::value;
           __m512i c0[kG], c1[kG];
           for (int r = 0; r < kG; ++r) {
-            c0[r] = _mm512_set1_epi32(q6[(r0 + r) * (k / 16)]);
-            c1[r] = _mm512_set1_epi32(q6[(r0 + r) * (k / 16) + 1]);
+            c0[r] = _mm512_set1_epi32(start_factor(kKind) * q6[(r0 + r) * (k / 16)]);
+            c1[r] = _mm512_set1_epi32(start_factor(kKind) * q6[(r0 + r) * (k / 16) + 1]);
           }
           for (int j = 0; j < 4; ++j)
             for (int r = 0; r < kG; ++r) {
@@ -461,11 +479,17 @@ inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], 
                             __m256i& mv) {
   constexpr KindLayout L = layout_of(kKind);
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
-  const uint8_t* codes = blk + 256 * g + 32 * h;
-  for (int j = 0; j < 4; ++j) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
-    w[j] = _mm256_and_si256(v, low4);
-    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  if constexpr (kKind == kKindI8K) {  // the codes as signed bytes (u - 128): dot_chain_avx2's sign trick reads them
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; ++j)
+      w[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512 * g + 64 * j + 32 * h)), flip);
+  } else {
+    const uint8_t* codes = blk + 256 * g + 32 * h;
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
+      w[j] = _mm256_and_si256(v, low4);
+      w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    }
   }
   if constexpr (kKind == kKindQ5K)
     or_fifth_bits(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.high_offset + 64 * g + 32 * h)));
@@ -480,7 +504,7 @@ inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], 
     }
   }
   mv = _mm256_setzero_si256();
-  if constexpr (kKind == kKindQ6K) {
+  if constexpr (sub_block_scales(kKind)) {
     sc0 = i8x8(blk + L.sc_offset + 32 * g + 8 * h);
     sc1 = i8x8(blk + L.sc_offset + 32 * g + 16 + 8 * h);
   } else {
@@ -489,11 +513,16 @@ inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], 
   }
 }
 
+// kSigned: w holds signed codes (I8K's, offset taken off), read as |w| with x given w's signs, so each pair of
+// products fits maddubs' int16 (|w| <= 128, |x| <= 127), and the dot is of the signed codes.
+template <bool kSigned = false>
 inline __m256i dot_chain_avx2(const __m256i w[4], const int8_t* xq) {
-  __m256i s = dot4x8(_mm256_setzero_si256(), w[0], broadcast4x8(xq));
-  s = dot4x8(s, w[1], broadcast4x8(xq + 4));
-  s = dot4x8(s, w[2], broadcast4x8(xq + 8));
-  return dot4x8(s, w[3], broadcast4x8(xq + 12));
+  __m256i s = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (kSigned) s = dot4x8(s, _mm256_abs_epi8(w[j]), _mm256_sign_epi8(broadcast4x8(xq + 4 * j), w[j]));
+    else s = dot4x8(s, w[j], broadcast4x8(xq + 4 * j));
+  }
+  return s;
 }
 
 template <int64_t kKind>
@@ -519,11 +548,14 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
           const int64_t row = m0 + r;
           const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
           const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
-          __m256i s0 = dot_chain_avx2(w, xq), s1 = dot_chain_avx2(w + 4, xq + 16);
+          constexpr bool kSigned = kKind == kKindI8K;
+          __m256i s0 = dot_chain_avx2<kSigned>(w, xq), s1 = dot_chain_avx2<kSigned>(w + 4, xq + 16);
           float* fs = fsum + r * kQuantTile + 8 * h;
-          if constexpr (kKind == kKindQ6K) {
-            s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xs[0]));
-            s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * xs[1]));
+          if constexpr (sub_block_scales(kKind)) {
+            if constexpr (!kSigned) {  // I8K's signed codes have no offset left to take off
+              s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xs[0]));
+              s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * xs[1]));
+            }
             const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_cvtepi32_ps(sc0), _mm256_load_ps(fs));
             _mm256_store_ps(fs, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_cvtepi32_ps(sc1), sum));
           } else {
@@ -536,13 +568,13 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
       }
     for (int h = 0; h < 2; ++h) {
       const __m256 d = half8(blk + L.d_offset + 16 * h);
-      const __m256 dmin = kKind != kKindQ6K ? half8(blk + L.dmin_offset + 16 * h) : _mm256_setzero_ps();
+      const __m256 dmin = !sub_block_scales(kKind) ? half8(blk + L.dmin_offset + 16 * h) : _mm256_setzero_ps();
       for (int64_t r = 0; r < count; ++r) {
         const __m256 dx = _mm256_set1_ps(a.scale[(m0 + r) * blocks + b]);
         float* out = acc + r * kQuantTile + 8 * h;
         const int64_t at = r * kQuantTile + 8 * h;
         __m256 f = _mm256_fmadd_ps(_mm256_load_ps(fsum + at), _mm256_mul_ps(d, dx), _mm256_load_ps(out));
-        if constexpr (kKind != kKindQ6K)
+        if constexpr (!sub_block_scales(kKind))
           f = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(imin + at))),
                                _mm256_mul_ps(dmin, dx), f);
         _mm256_store_ps(out, f);
@@ -565,7 +597,8 @@ void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, in
     on_path(path, [&](auto loop) {
       if (kind == kKindQ4K) tile_loop<kKindQ4K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
       else if (kind == kKindQ5K) tile_loop<kKindQ5K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
-      else tile_loop<kKindQ6K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
+      else if (kind == kKindQ6K) tile_loop<kKindQ6K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
+      else tile_loop<kKindI8K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
     });
   });
 }
