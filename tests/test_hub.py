@@ -463,20 +463,20 @@ def test_plan_pull_reports_files_and_estimate_without_downloading(hub: FakeHub) 
 
 
 def test_a_gguf_pull_plan_counts_the_memory_its_type_will_take(hub: FakeHub, tmp_path: Path) -> None:
-    """An IQ4_XS file runs in float32 (7.5x its bytes): its plan says so before anything is downloaded, where
-    the download's size would call a 7B of 4 GB "fits" on 16 GB and the engine then refuse it."""
+    """A Q2_K file runs in float32 (12x its bytes): its plan says so before anything is downloaded, where
+    the download's size would call a 7B of 3 GB "fits" on 16 GB and the engine then refuse it."""
     from chatapp.hub import plan_pull
     from chatapp.model_facts import cpu_bytes_per_file_byte
 
     data = tiny_gguf(tmp_path / "tiny.gguf").read_bytes()
     info = {"gguf": {"total": 128, "architecture": "llama", "context_length": 2048}}
-    hub.add_repo("tiny/typed-gguf", {"tiny-IQ4_XS.gguf": data, "tiny-Q4_K_M.gguf": data}, info=info)
-    wide = plan_pull("tiny/typed-gguf:tiny-IQ4_XS.gguf", available_bytes=16 << 30)
+    hub.add_repo("tiny/typed-gguf", {"tiny-Q2_K.gguf": data, "tiny-Q4_K_M.gguf": data}, info=info)
+    wide = plan_pull("tiny/typed-gguf:tiny-Q2_K.gguf", available_bytes=16 << 30)
     own = plan_pull("tiny/typed-gguf:tiny-Q4_K_M.gguf", available_bytes=16 << 30)
     assert wide.facts is not None and own.facts is not None
-    assert wide.facts.weights_bytes == int(len(data) * cpu_bytes_per_file_byte("tiny-IQ4_XS.gguf")) > 7 * len(data)
+    assert wide.facts.weights_bytes == int(len(data) * cpu_bytes_per_file_byte("tiny-Q2_K.gguf")) > 12 * len(data)
     assert own.facts.weights_bytes == int(len(data) * cpu_bytes_per_file_byte("tiny-Q4_K_M.gguf")) < 1.1 * len(data)
-    assert not hub.served("tiny-IQ4_XS.gguf")
+    assert not hub.served("tiny-Q2_K.gguf")
 
 
 def test_pulled_model_loads_in_the_engine_and_generates(hub: FakeHub, tiny_llama: Path) -> None:

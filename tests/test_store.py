@@ -288,7 +288,8 @@ def test_a_gguf_downloads_memory_is_scaled_by_the_type_its_name_says() -> None:
     assert per_file_byte("org/Model-Q4_K_M.gguf") == pytest.approx(TILE_BYTES[104] / (16 * 256) / (144 / 256))
     assert per_file_byte("model.Q8_0.gguf") == per_file_byte("Model-q4_0.gguf") == 1.0  # their own bytes
     assert per_file_byte("Model-Q3_K_L.gguf") == pytest.approx(TILE_BYTES[106] / (16 * 256) / (110 / 256))
-    assert per_file_byte("Qwen2.5-7B-Instruct-IQ4_XS-00001-of-00002.gguf") == pytest.approx(4 / (136 / 256))
+    assert per_file_byte("Qwen2.5-7B-Instruct-IQ4_XS-00001-of-00002.gguf") == pytest.approx(2208 / 2176)
+    assert per_file_byte("Model-Q2_K.gguf") == pytest.approx(4 / (84 / 256))  # float32
     assert per_file_byte("Model-IQ3_M.gguf") == per_file_byte("Model-IQ3_S.gguf") > 9  # float32
     assert per_file_byte("Model-F16.gguf") == per_file_byte("Model-BF16.gguf") == 2.0
     assert per_file_byte("model.gguf") == per_file_byte("QQ4_K_MM.gguf") == 1.0  # no type named: its size

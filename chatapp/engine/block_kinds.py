@@ -13,8 +13,8 @@ KIND_Q5S = 6  # 5-bit codes offset by 16, fp16 scale per 32: Q5_0 (its 22 bytes 
 KIND_Q5M = 7  # 5-bit codes, fp16 scale and minimum per 32: Q5_1 (its 24 bytes a block)
 KIND_Q8 = 8  # 8-bit codes offset by 128, fp16 scale per 32: Q8_0
 KIND_Q4K, KIND_Q5K, KIND_Q6K = 104, 105, 106  # super-blocks of 256 with integer sub-block scales
-KIND_I8K = 108  # Q6_K's super-blocks with 8-bit codes offset by 128: IQ4_XS (d * (ls - 32) * one of 16 values)
-K_KINDS = (KIND_Q4K, KIND_Q5K, KIND_Q6K, KIND_I8K)
+KIND_IQ4X = 108  # IQ4_XS: 4-bit indices into 16 values, fp16 d per 256, int8 scale (ls - 32) per 32
+K_KINDS = (KIND_Q4K, KIND_Q5K, KIND_Q6K, KIND_IQ4X)
 SUPER_BLOCK = 256
 
 
@@ -28,11 +28,10 @@ KIND_FOR_GGUF_TYPE = {
     "Q4_K": KIND_Q4K,
     "Q5_K": KIND_Q5K,
     "Q6_K": KIND_Q6K,
+    "IQ4_XS": KIND_IQ4X,
     # held exactly by a kind of another type (gguf_repack.cpp says how), at 1.9x the file's bytes
     "Q3_K": KIND_Q6K,
     "IQ4_NL": KIND_Q8,
-    # and by a kind of our own, at 2x (its values take 8 bits, its scales Q6_K's)
-    "IQ4_XS": KIND_I8K,
 }
 TILE_BYTES = {
     KIND_Q4: 320,
@@ -43,7 +42,7 @@ TILE_BYTES = {
     KIND_Q4K: 2368,
     KIND_Q5K: 2880,
     KIND_Q6K: 3360,
-    KIND_I8K: 4384,
+    KIND_IQ4X: 2208,
 }
 
 

@@ -28,7 +28,7 @@ from chatapp.engine.block_kinds import (  # noqa: F401  (re-exported: the packed
     BLOCK,
     K_KINDS,
     KIND_FOR_GGUF_TYPE,
-    KIND_I8K,
+    KIND_IQ4X,
     KIND_Q4,
     KIND_Q4K,
     KIND_Q4S,
@@ -145,15 +145,15 @@ def _fp16_at(packed: torch.Tensor, offset: int) -> torch.Tensor:
     return packed[..., offset : offset + 32].contiguous().view(torch.float16).float()
 
 
+# IQ4_NL's (and IQ4_XS's) 16 values (ggml's kvalues_iq4nl).
+_IQ4_VALUES = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32
+)
+
+
 def _dequantize_k(packed: torch.Tensor, kind: int) -> torch.Tensor:
     """K kinds -> [tiles * 16, super-blocks, 256] float32, as gguf's own de-quantisation computes it."""
     tiles, blocks = packed.shape[:2]
-    if kind == KIND_I8K:  # group g's input 4j + i of channel c at 512g + 64j + 4c + i, offset by 128
-        u = packed[..., :4096].reshape(tiles, blocks, 8, 8, TILE, 4).to(torch.int32) - 128
-        q = u.permute(0, 4, 1, 2, 3, 5).reshape(tiles, TILE, blocks, 16, 16).float()
-        d = _fp16_at(packed, 4096).transpose(1, 2)  # [tiles, 16, B]
-        sc = packed[..., 4128:4384].reshape(tiles, blocks, 16, TILE).view(torch.int8).float().permute(0, 3, 1, 2)
-        return ((d[..., None] * sc)[..., None] * q).reshape(tiles * TILE, blocks, SUPER_BLOCK)
     groups = packed[..., :2048].reshape(tiles, blocks, 8, 4, TILE, 4)
     q = _nibble_codes(groups).to(torch.int32)  # [tiles, B, 8 groups, 16 ch, 32]
     if kind == KIND_Q5K:
@@ -166,6 +166,11 @@ def _dequantize_k(packed: torch.Tensor, kind: int) -> torch.Tensor:
         bits = bits.reshape(tiles, blocks, 8, 8, TILE, 4).transpose(-3, -2).reshape(tiles, blocks, 8, TILE, BLOCK)
         q = q | (bits << 4)
     q = q.permute(0, 3, 1, 2, 4).float()  # [tiles, 16, B, 8, 32]
+    if kind == KIND_IQ4X:  # the indices' values, times d * (ls - 32) per group of 32
+        q = _IQ4_VALUES[q.long()]
+        d = _fp16_at(packed, 2048).transpose(1, 2)  # [tiles, 16, B]
+        sc = packed[..., 2080:2208].reshape(tiles, blocks, 8, TILE).view(torch.int8).float().permute(0, 3, 1, 2)
+        return ((d[..., None] * sc)[..., None] * q).reshape(tiles * TILE, blocks, SUPER_BLOCK)
     if kind == KIND_Q6K:
         d = _fp16_at(packed, 3072).transpose(1, 2)  # [tiles, 16, B]
         sc = packed[..., 3104:3360].reshape(tiles, blocks, 16, TILE).view(torch.int8).float().permute(0, 3, 1, 2)

@@ -438,7 +438,7 @@ int64_t kind_tile_bytes(int64_t kind) {
     case kKindQ4K: return kQ4KTileBytes;
     case kKindQ5K: return kQ5KTileBytes;
     case kKindQ6K: return kQ6KTileBytes;
-    case kKindI8K: return kI8KTileBytes;
+    case kKindIQ4X: return kIQ4XTileBytes;
     default: return 0;
   }
 }

@@ -20,9 +20,9 @@ constexpr int64_t kSuperBlock = 256;  // input channels per super-block (the K k
 //   7: 5-bit codes, fp16 scale and minimum per 32 (w = d*q + m): Q5_1 exactly, in its 24 bytes a block.
 //   8: 8-bit codes offset by 128, fp16 scale per 32 (w = d*(u - 128)): Q8_0 exactly.
 //   104 / 105 / 106: Q4_K / Q5_K / Q6_K super-blocks of 256, their integer sub-block scales kept.
-//   108: I8K, 8-bit codes offset by 128 in Q6_K's super-blocks (w = d*sc*(u - 128)): IQ4_XS exactly.
+//   108: IQ4X, 4-bit indices into IQ4_NL's 16 values, an fp16 d per 256 and an int8 scale per 32: IQ4_XS exactly.
 constexpr int64_t kKindQ4 = 4, kKindQ4S = 5, kKindQ5S = 6, kKindQ5M = 7, kKindQ8 = 8, kKindQ4K = 104, kKindQ5K = 105,
-                  kKindQ6K = 106, kKindI8K = 108;
+                  kKindQ6K = 106, kKindIQ4X = 108;
 
 // Bytes of one (tile, block) for the block-of-32 kinds.
 constexpr int64_t kQ4TileBytes = kQuantTile * kQuantBlock / 2 + 2 * kQuantTile * 2;  // 320
@@ -34,7 +34,7 @@ constexpr int64_t kQ8TileBytes = kQuantTile * kQuantBlock + kQuantTile * 2;     
 constexpr int64_t kQ4KTileBytes = 2048 + 64 + 256;        // 2368
 constexpr int64_t kQ5KTileBytes = 2048 + 512 + 64 + 256;  // 2880
 constexpr int64_t kQ6KTileBytes = 2048 + 1024 + 32 + 256; // 3360
-constexpr int64_t kI8KTileBytes = 4096 + 32 + 256;         // 4384
+constexpr int64_t kIQ4XTileBytes = 2048 + 32 + 128;        // 2208
 
 int64_t kind_tile_bytes(int64_t kind);          // 0 for an unknown kind
 int64_t kind_block_inputs(int64_t kind);        // 32 or 256

@@ -15,8 +15,8 @@
 //   Q3_K -> 106: d x a 6-bit scale (-32..31) x a code (-4..3) per 16 weights is Q6_K's d x int8 scale x
 //                code (-32..31), the code stored + 32 as Q6_K stores it
 //   IQ4_NL -> kind 8: d x one of 16 fixed values (-127..113) per 32 weights is Q8_0's d x an int8
-// and one has a kind of its own, as Q6_K's super-blocks with 8-bit codes (kquant.cpp's I8K, 2x the file's bytes):
-//   IQ4_XS -> 108: d x a 6-bit scale (-32..31) per 32 x one of IQ4_NL's values is d x int8 scale x int8 code
+// and one has a kind of its own (kquant.cpp's IQ4X, its indices and factors as the file has them, 1.01x its bytes):
+//   IQ4_XS -> 108: d x a 6-bit scale (-32..31) per 32 x one of IQ4_NL's values, the scale as an int8
 #include <ATen/Parallel.h>
 
 #include <cstring>
@@ -74,7 +74,7 @@ int64_t kind_for(int64_t type) {
     case kQ6_K: return kKindQ6K;
     case kQ4_K: return kKindQ4K;
     case kQ5_K: return kKindQ5K;
-    case kIQ4_XS: return kKindI8K;
+    case kIQ4_XS: return kKindIQ4X;
     default: return 0;
   }
 }
@@ -315,24 +315,15 @@ bool write_direct(int64_t type, uint8_t* blk, int64_t c, const uint8_t* p) {
       }
       return true;
     }
-    case kIQ4_XS: {  // d, scales_h (2 bits a scale), scales_l[4] (4 bits a scale), qs[128]: to kind I8K
+    case kIQ4_XS: {  // d, scales_h (2 bits a scale), scales_l[4] (4 bits a scale), qs[128]: to kind IQ4X
       const uint16_t high = u16(p + 2);
       const uint8_t *low = p + 4, *qs = p + 8;
-      for (int g = 0; g < 8; ++g) {
-        for (int j = 0; j < 4; ++j) {  // input 4j + i of group g: qs[16g + 4j + i]'s low nibble; 16 + 4j + i: its high
-          const uint8_t* q = qs + 16 * g + 4 * j;
-          uint32_t first = 0, second = 0;
-          for (int i = 0; i < 4; ++i) {
-            first |= static_cast<uint32_t>(static_cast<uint8_t>(kIQ4NLValues[q[i] & 0x0F] + 128)) << (8 * i);
-            second |= static_cast<uint32_t>(static_cast<uint8_t>(kIQ4NLValues[q[i] >> 4] + 128)) << (8 * i);
-          }
-          put_word(blk + 512 * g + 64 * j + 4 * c, first);
-          put_word(blk + 512 * g + 64 * (j + 4) + 4 * c, second);
-        }
+      for (int g = 0; g < 8; ++g) {  // a group's 16 index bytes hold inputs i (low nibble) and 16 + i, as Q4_0's
+        for (int j = 0; j < 4; ++j) std::memcpy(blk + 256 * g + 64 * j + 4 * c, qs + 16 * g + 4 * j, 4);
         const int ls = ((low[g / 2] >> (4 * (g % 2))) & 0x0F) | (((high >> (2 * g)) & 0x03) << 4);
-        blk[4128 + 16 * (2 * g) + c] = blk[4128 + 16 * (2 * g + 1) + c] = static_cast<uint8_t>(ls - 32);  // both 16s
+        blk[2080 + 16 * g + c] = static_cast<uint8_t>(ls - 32);
       }
-      std::memcpy(blk + 4096 + 2 * c, p, 2);
+      std::memcpy(blk + 2048 + 2 * c, p, 2);
       return true;
     }
     case kQ6_K: {

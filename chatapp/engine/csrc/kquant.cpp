@@ -32,10 +32,10 @@
 //         unpack below), then d @2560, dmin @2592, sc @2624, m @2752.
 //   Q6_K: each group's bits 4-5 @2048 + 128g (two 64-byte planes, registers 0-3 and 4-7, two bits each),
 //         then d[16] fp16 @3072, sc[16 sub-blocks][16] int8 @3104.
-//   I8K (8-bit codes offset by 128, with Q6_K's scales: w = d * sc * (u - 128)): a kind of our own for types
-//         whose values take 8 bits (IQ4_XS: d * (ls - 32) * one of 16 values in -127..113). Group g's codes
-//         take 512 bytes at 512g, as block_quant.cpp's Q8 (chunk j, byte 4c + i: input 4j + i), then d[16] fp16
-//         @4096, sc[16][16] int8 @4128. Its arithmetic is Q6_K's with an offset of 128 for 32.
+//   IQ4X (IQ4_XS: w = d * sc * v, v one of IQ4_NL's 16 values in -127..113, sc = ls - 32 per group): the
+//         4-bit indices in the Q4 layout, then d[16] fp16 @2048, sc[8 groups][16] int8 @2080. A table lookup
+//         (vpshufb) turns 64 indices into their values + 128, unsigned bytes for the dots; from there its
+//         arithmetic is Q6_K's with an offset of 128 for 32, each group's scale serving both its sub-blocks.
 // gguf_repack.cpp writes all four.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -153,28 +153,33 @@ constexpr KindLayout layout_of(int64_t kind) {
   return kind == kKindQ4K   ? KindLayout{kQ4KTileBytes, 2048, 2080, 2112, 2240, 0, 0}
          : kind == kKindQ5K ? KindLayout{kQ5KTileBytes, 2560, 2592, 2624, 2752, 2048, 64}
          : kind == kKindQ6K ? KindLayout{kQ6KTileBytes, 3072, 0, 3104, 0, 2048, 128}
-                            : KindLayout{kI8KTileBytes, 4096, 0, 4128, 0, 0, 0};
+                            : KindLayout{kIQ4XTileBytes, 2048, 0, 2080, 0, 0, 0};
 }
 
-// The kinds with a signed scale per sub-block of 16 and no minimums (Q6_K, I8K): their codes' offset is taken off
-// where each sub-block's dot chain starts, at -offset * its sum of 16 activations.
-constexpr bool sub_block_scales(int64_t kind) { return kind == kKindQ6K || kind == kKindI8K; }
-constexpr int32_t sub_block_offset(int64_t kind) { return kind == kKindI8K ? 128 : 32; }
-// q6_start holds -32 * each sum of 16: I8K's chains start at 4 times that.
+// The kinds with signed integer scales and no minimums (Q6_K, IQ4X): their codes' offset is taken off where each
+// sub-block of 16's dot chain starts, at -offset * its sum of 16 activations.
+constexpr bool sub_block_scales(int64_t kind) { return kind == kKindQ6K || kind == kKindIQ4X; }
+constexpr int32_t sub_block_offset(int64_t kind) { return kind == kKindIQ4X ? 128 : 32; }
+// q6_start holds -32 * each sum of 16: IQ4X's chains start at 4 times that.
 constexpr int32_t start_factor(int64_t kind) { return sub_block_offset(kind) / 32; }
+// Where sub-block s's scales are (a row of 16 channels' int8s): Q6_K has one per 16 inputs, IQ4X one per 32.
+constexpr int64_t scale_row(int64_t kind, int64_t s) { return kind == kKindIQ4X ? s / 2 : s; }
+// IQ4_NL's (and IQ4_XS's) 16 values, + 128 as the VNNI dots read them, and as they are (the AVX2 sign trick's).
+alignas(16) constexpr uint8_t kIQ4Codes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // The code of channel c's input i (0..255) of a (tile, super-block), as the kernel sees it.
 template <int64_t kKind>
 inline int32_t code_at(const uint8_t* blk, int64_t c, int64_t i) {
   constexpr KindLayout L = layout_of(kKind);
   const int64_t g = i / 32, in = i % 32, half = in / 16, j = (in % 16) / 4, lane = 4 * c + in % 4;
-  if constexpr (kKind == kKindI8K) return blk[512 * g + 64 * (in / 4) + lane];
   const uint8_t byte = blk[256 * g + 64 * j + lane];
   int32_t q = half ? byte >> 4 : byte & 0x0F;
   const int64_t reg = j + 4 * half;  // the register (0..7) holding this input
   if constexpr (kKind == kKindQ5K) q |= ((blk[L.high_offset + 64 * g + lane] >> reg) & 1) << 4;
   if constexpr (kKind == kKindQ6K)
     q |= ((blk[L.high_offset + 128 * g + 64 * (reg / 4) + lane] >> (2 * (reg % 4))) & 3) << 4;
+  if constexpr (kKind == kKindIQ4X) q = kIQ4Codes[q];
   return q;
 }
 
@@ -191,7 +196,7 @@ void tile_loop(PortableLoop, const SuperBlockActivations& a, int64_t rows, int64
       int32_t dot = 0;
       for (int64_t i = 16 * s; i < 16 * s + 16; ++i) dot += code_at<kKind>(blk, c, i) * xq[i];
       if constexpr (sub_block_scales(kKind)) {
-        const float sc = static_cast<float>(static_cast<int8_t>(blk[L.sc_offset + 16 * s + c]));
+        const float sc = static_cast<float>(static_cast<int8_t>(blk[L.sc_offset + 16 * scale_row(kKind, s) + c]));
         fsum = std::fma(static_cast<float>(dot - sub_block_offset(kKind) * xs[s]), sc, fsum);
       } else {  // one scale per group of two sub-blocks: their dots are added first
         group_dot += dot;
@@ -217,15 +222,15 @@ template <int64_t kKind>
 inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0, __m512i& sc1) {
   constexpr KindLayout L = layout_of(kKind);
   const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
-  if constexpr (kKind == kKindI8K) {
-    for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 512 * g + 64 * j);
-  } else {
-    const uint8_t* codes = blk + 256 * g;
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(codes + 64 * j);
-      w[j] = _mm512_and_si512(v, low4);
-      w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    }
+  const uint8_t* codes = blk + 256 * g;
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(codes + 64 * j);
+    w[j] = _mm512_and_si512(v, low4);
+    w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+  if constexpr (kKind == kKindIQ4X) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Codes)));
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_shuffle_epi8(table, w[j]);
   }
   if constexpr (kKind == kKindQ5K) or_fifth_bits(w, _mm512_loadu_si512(blk + L.high_offset + 64 * g));
   if constexpr (kKind == kKindQ6K) {
@@ -239,7 +244,9 @@ inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0
       w[4 * p + 3] = _mm512_ternarylogic_epi32(w[4 * p + 3], _mm512_srli_epi16(h, 2), bits45, 0xF8);
     }
   }
-  if constexpr (sub_block_scales(kKind)) {
+  if constexpr (kKind == kKindIQ4X) {
+    sc0 = sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g)));
+  } else if constexpr (kKind == kKindQ6K) {
     sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g)));
     sc1 = _mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g + 16)));
@@ -280,7 +287,7 @@ CHATAPP_INLINE inline __m512i q4k_group_one_row(const uint8_t* blk, int64_t g, c
 
 // A Q6_K group's two sub-blocks added to a row's float sum: fsum + sc * (dot - 32 * sum(x)), sub-block by
 // sub-block (q6: the group's two q6_start values, where its sub-blocks' chains start, times kFactor: 4 for
-// I8K's offset of 128; fsc0, fsc1: the scales as floats).
+// IQ4X's offset of 128; fsc0, fsc1: the scales as floats).
 template <int32_t kFactor>
 CHATAPP_INLINE inline __m512 q6k_group(const __m512i w[8], __m512 fsc0, __m512 fsc1, const int8_t* xq,
                                        const int32_t* q6, __m512 fsum) {
@@ -479,17 +486,15 @@ inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], 
                             __m256i& mv) {
   constexpr KindLayout L = layout_of(kKind);
   const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
-  if constexpr (kKind == kKindI8K) {  // the codes as signed bytes (u - 128): dot_chain_avx2's sign trick reads them
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int j = 0; j < 8; ++j)
-      w[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512 * g + 64 * j + 32 * h)), flip);
-  } else {
-    const uint8_t* codes = blk + 256 * g + 32 * h;
-    for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
-      w[j] = _mm256_and_si256(v, low4);
-      w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    }
+  const uint8_t* codes = blk + 256 * g + 32 * h;
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
+    w[j] = _mm256_and_si256(v, low4);
+    w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  }
+  if constexpr (kKind == kKindIQ4X) {  // the values as signed bytes: dot_chain_avx2's sign trick reads them
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    for (int j = 0; j < 8; ++j) w[j] = _mm256_shuffle_epi8(table, w[j]);
   }
   if constexpr (kKind == kKindQ5K)
     or_fifth_bits(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.high_offset + 64 * g + 32 * h)));
@@ -504,7 +509,9 @@ inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], 
     }
   }
   mv = _mm256_setzero_si256();
-  if constexpr (sub_block_scales(kKind)) {
+  if constexpr (kKind == kKindIQ4X) {
+    sc0 = sc1 = i8x8(blk + L.sc_offset + 16 * g + 8 * h);
+  } else if constexpr (kKind == kKindQ6K) {
     sc0 = i8x8(blk + L.sc_offset + 32 * g + 8 * h);
     sc1 = i8x8(blk + L.sc_offset + 32 * g + 16 + 8 * h);
   } else {
@@ -513,7 +520,7 @@ inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], 
   }
 }
 
-// kSigned: w holds signed codes (I8K's, offset taken off), read as |w| with x given w's signs, so each pair of
+// kSigned: w holds signed codes (IQ4X's values), read as |w| with x given w's signs, so each pair of
 // products fits maddubs' int16 (|w| <= 128, |x| <= 127), and the dot is of the signed codes.
 template <bool kSigned = false>
 inline __m256i dot_chain_avx2(const __m256i w[4], const int8_t* xq) {
@@ -548,11 +555,11 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
           const int64_t row = m0 + r;
           const int8_t* xq = a.q.data() + row * k + b * kSuperBlock + 32 * g;
           const int32_t* xs = a.sum16.data() + row * (k / 16) + b * 16 + 2 * g;
-          constexpr bool kSigned = kKind == kKindI8K;
+          constexpr bool kSigned = kKind == kKindIQ4X;
           __m256i s0 = dot_chain_avx2<kSigned>(w, xq), s1 = dot_chain_avx2<kSigned>(w + 4, xq + 16);
           float* fs = fsum + r * kQuantTile + 8 * h;
           if constexpr (sub_block_scales(kKind)) {
-            if constexpr (!kSigned) {  // I8K's signed codes have no offset left to take off
+            if constexpr (!kSigned) {  // IQ4X's signed values have no offset to take off
               s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(32 * xs[0]));
               s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(32 * xs[1]));
             }
@@ -598,7 +605,7 @@ void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, in
       if (kind == kKindQ4K) tile_loop<kKindQ4K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
       else if (kind == kKindQ5K) tile_loop<kKindQ5K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
       else if (kind == kKindQ6K) tile_loop<kKindQ6K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
-      else tile_loop<kKindI8K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
+      else tile_loop<kKindIQ4X>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
     });
   });
 }
