@@ -37,7 +37,7 @@ _SCALE_UNIT = {
     "IQ4_NL": 64,
     "IQ4_XS": 64 * 16,
 }
-WIDENED_TYPES = ("Q3_K", "IQ4_NL")
+WIDENED_TYPES = ("Q3_K",)
 """Types held exactly by another type's packed kind, at more bytes a weight (csrc/gguf_repack.cpp)."""
 BLOCK_TYPES = tuple(t for t in _FP16_FIELDS if t not in WIDENED_TYPES)
 """Types with a packed kind of their own."""

@@ -19,7 +19,18 @@ from chatapp.engine.models.gguf_file import GGUFError
 from tests.gguf_blocks import BLOCK_TYPES, WIDENED_TYPES, random_blocks
 from tests.gguf_models import LlamaShape, write_llama_gguf
 
-KIND_OF = {"Q4_0": 5, "Q4_1": 4, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 104, "Q5_K": 105, "Q6_K": 106, "IQ4_XS": 108}
+KIND_OF = {
+    "Q4_0": 5,
+    "Q4_1": 4,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q4_K": 104,
+    "Q5_K": 105,
+    "Q6_K": 106,
+    "IQ4_NL": 9,
+    "IQ4_XS": 108,
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +63,11 @@ def test_every_type_keeps_the_files_weights_bit_for_bit(ext, type_name: str) -> 
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
-@pytest.mark.parametrize("type_name", [*WIDENED_TYPES, "IQ4_XS"])
+@pytest.mark.parametrize("type_name", [*WIDENED_TYPES, "IQ4_NL", "IQ4_XS"])
 def test_decoded_types_keep_the_files_weights_bit_for_bit(ext, type_name: str) -> None:
-    """Q3_K (held by Q6_K's kind), IQ4_NL (by Q8_0's) and IQ4_XS (by IQ4X, its indices and factors as they
-    are) packed and de-quantised give exactly what gguf's own de-quantisation of the file's blocks gives,
-    every code and packed scale bit clear and set too."""
+    """Q3_K (held by Q6_K's kind), IQ4_NL and IQ4_XS (by kinds that look their indices' values up) packed and
+    de-quantised give exactly what gguf's own de-quantisation of the file's blocks gives, every code and
+    packed scale bit clear and set too."""
     rng = np.random.default_rng(17)
     block_bytes, d = {"Q3_K": (110, slice(108, 110)), "IQ4_NL": (18, slice(0, 2)), "IQ4_XS": (136, slice(0, 2))}[
         type_name
@@ -226,7 +237,7 @@ def gguf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gguf-files")
 
 
-@pytest.mark.parametrize("mix", [*BLOCK_TYPES, "Q4_K_M", "Q3_K_M", "IQ4_NL"])
+@pytest.mark.parametrize("mix", [*BLOCK_TYPES, "Q4_K_M", "Q3_K_M"])
 def test_a_gguf_file_runs_in_its_own_types_close_to_its_float_model(gguf_dir: Path, mix: str) -> None:
     """Each type's file runs natively ("gguf") and follows the float model of the same weights: the
     only difference is the int8 rounding of activations (as in llama.cpp), so the next-token choice
@@ -256,9 +267,9 @@ def test_q4_k_m_keeps_every_tensor_in_its_own_type(gguf_dir: Path) -> None:
     assert model.quantized_lm_head.kinds == (106,)
 
 
-def test_q3_k_and_iq4_nl_tensors_run_packed_in_the_kinds_that_hold_them(gguf_dir: Path) -> None:
-    """Not de-quantised to float32 (7-9x the file): Q3_K runs in Q6_K's kind, IQ4_NL in Q8_0's, beside
-    the file's other types in their own, and the memory estimate counts them so."""
+def test_q3_k_and_iq4_tensors_run_packed_in_the_kinds_that_hold_them(gguf_dir: Path) -> None:
+    """Not de-quantised to float32 (7-9x the file): Q3_K runs in Q6_K's kind, IQ4_NL and IQ4_XS in kinds
+    of their own, beside the file's other types in theirs, and the memory estimate counts them so."""
     from chatapp.engine.models.gguf_file import GGUFModelFile
     from chatapp.engine.models.gguf_weights import native_weight_bytes
 
@@ -272,7 +283,12 @@ def test_q3_k_and_iq4_nl_tensors_run_packed_in_the_kinds_that_hold_them(gguf_dir
     assert native_weight_bytes(gguf, gguf.model_config()) < 2.2 * path.stat().st_size
     iq4 = write_llama_gguf(gguf_dir / "tiny-iq4.gguf", mix="IQ4_NL", seed=19)
     model = LLM(str(iq4), kv_cache_memory_gib=0.02, runner="torch").core.runner.model
-    assert model.layers[0].self_attn.qkv_proj.kinds == (8,) and model.quantized_lm_head.kinds == (8,)
+    assert model.layers[0].self_attn.qkv_proj.kinds == (9,) and model.quantized_lm_head.kinds == (9,)
+    gguf = GGUFModelFile(iq4)
+    assert native_weight_bytes(gguf, gguf.model_config()) < path.stat().st_size  # the file's own bytes
+    xs = write_llama_gguf(gguf_dir / "tiny-iq4xs.gguf", mix="IQ4_XS", seed=19)
+    model = LLM(str(xs), kv_cache_memory_gib=0.02, runner="torch").core.runner.model
+    assert model.layers[0].self_attn.qkv_proj.kinds == (108,) and model.quantized_lm_head.kinds == (108,)
 
 
 def test_native_answers_do_not_depend_on_batch_or_chunking(gguf_dir: Path) -> None:

@@ -12,6 +12,7 @@ KIND_Q4S = 5  # 4-bit codes offset by 8, fp16 scale per 32: Q4_0 (its 18 bytes a
 KIND_Q5S = 6  # 5-bit codes offset by 16, fp16 scale per 32: Q5_0 (its 22 bytes a block)
 KIND_Q5M = 7  # 5-bit codes, fp16 scale and minimum per 32: Q5_1 (its 24 bytes a block)
 KIND_Q8 = 8  # 8-bit codes offset by 128, fp16 scale per 32: Q8_0
+KIND_IQ4NL = 9  # 4-bit indices into IQ4_NL's 16 values, fp16 scale per 32: IQ4_NL (its 18 bytes a block)
 KIND_Q4K, KIND_Q5K, KIND_Q6K = 104, 105, 106  # super-blocks of 256 with integer sub-block scales
 KIND_IQ4X = 108  # IQ4_XS: 4-bit indices into 16 values, fp16 d per 256, int8 scale (ls - 32) per 32
 K_KINDS = (KIND_Q4K, KIND_Q5K, KIND_Q6K, KIND_IQ4X)
@@ -29,9 +30,9 @@ KIND_FOR_GGUF_TYPE = {
     "Q5_K": KIND_Q5K,
     "Q6_K": KIND_Q6K,
     "IQ4_XS": KIND_IQ4X,
+    "IQ4_NL": KIND_IQ4NL,
     # held exactly by a kind of another type (gguf_repack.cpp says how), at 1.9x the file's bytes
     "Q3_K": KIND_Q6K,
-    "IQ4_NL": KIND_Q8,
 }
 TILE_BYTES = {
     KIND_Q4: 320,
@@ -39,6 +40,7 @@ TILE_BYTES = {
     KIND_Q5S: 352,
     KIND_Q5M: 384,
     KIND_Q8: 544,
+    KIND_IQ4NL: 288,
     KIND_Q4K: 2368,
     KIND_Q5K: 2880,
     KIND_Q6K: 3360,

@@ -28,6 +28,7 @@ from chatapp.engine.block_kinds import (  # noqa: F401  (re-exported: the packed
     BLOCK,
     K_KINDS,
     KIND_FOR_GGUF_TYPE,
+    KIND_IQ4NL,
     KIND_IQ4X,
     KIND_Q4,
     KIND_Q4K,
@@ -201,6 +202,9 @@ def dequantize(packed: torch.Tensor, kind: int, out_features: int) -> torch.Tens
     elif kind == KIND_Q4S:  # as gguf computes Q4_0: d * (q - 8)
         q = _nibble_codes(packed[..., :256].reshape(tiles, blocks, 4, TILE, 4))
         w = _tile_channels(_fp16_at(packed, 256)[..., None] * (q.float() - 8), tiles, blocks)
+    elif kind == KIND_IQ4NL:  # as gguf computes IQ4_NL: d * the indexed value
+        q = _nibble_codes(packed[..., :256].reshape(tiles, blocks, 4, TILE, 4))
+        w = _tile_channels(_fp16_at(packed, 256)[..., None] * _IQ4_VALUES[q.long()], tiles, blocks)
     elif kind in (KIND_Q5S, KIND_Q5M):  # as gguf computes Q5_0 (d * (q - 16)) and Q5_1 (d * q + m)
         q = _nibble_codes(packed[..., :256].reshape(tiles, blocks, 4, TILE, 4)).to(torch.int32)
         plane = packed[..., 256:320].reshape(tiles, blocks, 1, TILE, 4).to(torch.int32)

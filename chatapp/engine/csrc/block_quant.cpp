@@ -12,6 +12,7 @@
 //   Q4S: y += (dot(q_w, q_x) - 8 * sum(q_x)) * (d_w * d_x)           (w = d_w * (q_w - 8): Q4_0)
 //   Q5S / Q5M: as Q4S (offset 16: Q5_0) / Q4 (Q5_1), on codes 0..31
 //   Q8: y += (dot(u_w, q_x) - 128 * sum(q_x)) * (d_w * d_x)  (w = d_w * (u_w - 128))
+//   IQ4NL: as Q8, on u_w = v + 128 looked up from 4-bit indices (w = d_w * v, v one of IQ4_NL's 16 values)
 // Every output runs this same sequence whatever the batch holds: answers are batch-invariant.
 //
 // Packed layout, per linear: [tiles of 16 output channels][blocks of 32 inputs][tile bytes].
@@ -22,9 +23,12 @@
 // Q5S / Q5M tile bytes: the same 4 chunks, then the codes' fifth bits (64 bytes: byte 4c + i, bit j is
 // the fifth bit of register j's lane 4c + i, as kquant.cpp's Q5_K), then 16 fp16 scales (and minimums).
 // Q8 tile bytes: 8 chunks of 64 (chunk j, byte 4c + i: channel c's input 4j + i, offset by 128),
-// then 16 fp16 scales. chatapp/engine/block_quant.py writes both.
+// then 16 fp16 scales. IQ4NL tile bytes: Q4S's, the nibbles indices into IQ4_NL's values (one vpshufb turns a
+// register of them into the values + 128). chatapp/engine/block_quant.py writes Q4 and Q8 from floats;
+// gguf_repack.cpp writes every kind from a GGUF file's blocks.
 #include "block_quant.h"
 #include "avx2_dot.h"
+#include "iq4_values.h"
 #include "tile_walk.h"
 
 #include <ATen/Parallel.h>
@@ -148,15 +152,21 @@ constexpr BlockLayout block_layout(int kind) {
          : kind == kKindQ4S ? BlockLayout{kQ4STileBytes, 256, 0, false}
          : kind == kKindQ5S ? BlockLayout{kQ5STileBytes, 320, 0, false}
          : kind == kKindQ5M ? BlockLayout{kQ5MTileBytes, 320, 352, true}
+         : kind == kKindIQ4NL ? BlockLayout{kQ4STileBytes, 256, 0, false}
                             : BlockLayout{kQ8TileBytes, 512, 0, false};
 }
 
 // Whether a kind keeps its codes as nibbles (two inputs a byte), and the offset its codes carry (taken
 // off exactly, as offset * sum(q_x), in the int32 sum).
 constexpr bool five_bit(int kind) { return kind == kKindQ5S || kind == kKindQ5M; }
-constexpr bool nibble_codes(int kind) { return kind == kKindQ4 || kind == kKindQ4S || five_bit(kind); }
+constexpr bool nibble_codes(int kind) {
+  return kind == kKindQ4 || kind == kKindQ4S || kind == kKindIQ4NL || five_bit(kind);
+}
+// The kinds whose weights are 8-bit values offset by 128 (Q8's codes, IQ4NL's looked-up values): the AVX2 loop
+// multiplies them as signed bytes (its sign trick), which takes the offset off by itself.
+constexpr bool byte_values(int kind) { return kind == kKindQ8 || kind == kKindIQ4NL; }
 constexpr int32_t code_offset(int kind) {
-  return kind == kKindQ8 ? 128 : kind == kKindQ4S ? 8 : kind == kKindQ5S ? 16 : 0;
+  return byte_values(kind) ? 128 : kind == kKindQ4S ? 8 : kind == kKindQ5S ? 16 : 0;
 }
 constexpr int64_t kFifthBits = 256;  // where the 5-bit kinds keep their codes' fifth bits
 
@@ -173,6 +183,10 @@ CHATAPP_INLINE inline void unpack_block(const uint8_t* blk, __m512i w[8]) {
       w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
     if constexpr (five_bit(kKind)) or_fifth_bits(w, _mm512_loadu_si512(blk + kFifthBits));
+    if constexpr (kKind == kKindIQ4NL) {
+      const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Codes)));
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_shuffle_epi8(table, w[j]);
+    }
   } else {
     for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + 64 * j);
   }
@@ -327,6 +341,13 @@ void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k,
         }
         if constexpr (five_bit(kKind))
           or_fifth_bits(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kFifthBits + 32 * h)));
+        if constexpr (kKind == kKindIQ4NL) {  // the values, signed, read as Q8's below
+          const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+          for (int j = 0; j < 8; ++j) {
+            sign[j] = _mm256_shuffle_epi8(table, w[j]);
+            w[j] = _mm256_abs_epi8(sign[j]);
+          }
+        }
       } else {
         for (int j = 0; j < 8; ++j) {
           w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
@@ -343,7 +364,7 @@ void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k,
         const int8_t* xq = a.q.data() + row * k + b * kQuantBlock;
         auto x4 = [&](int j) {
           const __m256i x = broadcast4x8(xq + 4 * (j % 4) + 16 * (j / 4));
-          if constexpr (kKind == kKindQ8) return _mm256_sign_epi8(x, sign[j]);
+          if constexpr (byte_values(kKind)) return _mm256_sign_epi8(x, sign[j]);
           return x;
         };
         __m256i s0 = dot4x8(_mm256_setzero_si256(), w[0], x4(0));
@@ -355,7 +376,7 @@ void tile_loop(Avx2Loop, const QuantizedActivations& a, int64_t rows, int64_t k,
         s0 = dot4x8(s0, w[3], x4(3));
         s1 = dot4x8(s1, w[7], x4(7));
         __m256i s = _mm256_add_epi32(s0, s1);
-        if constexpr (kKind != kKindQ8 && code_offset(kKind) != 0)  // Q8's sign trick took its offset off
+        if constexpr (!byte_values(kKind) && code_offset(kKind) != 0)  // the sign trick took Q8's offset off
           s = _mm256_sub_epi32(s, _mm256_set1_epi32(code_offset(kKind) * a.qsum[rb]));
         float* out = acc + r * kQuantTile + 8 * h;
         __m256 f = _mm256_load_ps(out);
@@ -383,6 +404,7 @@ void tile_loop(PortableLoop, const QuantizedActivations& a, int64_t rows, int64_
         const uint8_t byte = blk[64 * ((i % 16) / 4) + 4 * c + i % 4];
         wq = i < 16 ? (byte & 0x0F) : (byte >> 4);
         if constexpr (five_bit(kKind)) wq |= ((blk[kFifthBits + 4 * c + i % 4] >> ((i % 16) / 4 + 4 * (i / 16))) & 1) << 4;
+        if constexpr (kKind == kKindIQ4NL) wq = kIQ4Codes[wq];
       } else {
         wq = blk[64 * (i / 4) + 4 * c + i % 4];
       }
@@ -435,6 +457,7 @@ int64_t kind_tile_bytes(int64_t kind) {
     case kKindQ5S: return kQ5STileBytes;
     case kKindQ5M: return kQ5MTileBytes;
     case kKindQ8: return kQ8TileBytes;
+    case kKindIQ4NL: return kQ4STileBytes;
     case kKindQ4K: return kQ4KTileBytes;
     case kKindQ5K: return kQ5KTileBytes;
     case kKindQ6K: return kQ6KTileBytes;
@@ -476,6 +499,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
       else if (kind == kKindQ4S) tile_loop<kKindQ4S>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
       else if (kind == kKindQ5S) tile_loop<kKindQ5S>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
       else if (kind == kKindQ5M) tile_loop<kKindQ5M>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
+      else if (kind == kKindIQ4NL) tile_loop<kKindIQ4NL>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
       else tile_loop<kKindQ8>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
     });
   });

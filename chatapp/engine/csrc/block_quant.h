@@ -19,9 +19,10 @@ constexpr int64_t kSuperBlock = 256;  // input channels per super-block (the K k
 //   6: 5-bit codes offset by 16, fp16 scale per 32 (w = d*(q - 16)): Q5_0 exactly, in its 22 bytes a block.
 //   7: 5-bit codes, fp16 scale and minimum per 32 (w = d*q + m): Q5_1 exactly, in its 24 bytes a block.
 //   8: 8-bit codes offset by 128, fp16 scale per 32 (w = d*(u - 128)): Q8_0 exactly.
+//   9: 4-bit indices into IQ4_NL's 16 values v, fp16 scale per 32 (w = d*v): IQ4_NL exactly, in its 18 bytes.
 //   104 / 105 / 106: Q4_K / Q5_K / Q6_K super-blocks of 256, their integer sub-block scales kept.
 //   108: IQ4X, 4-bit indices into IQ4_NL's 16 values, an fp16 d per 256 and an int8 scale per 32: IQ4_XS exactly.
-constexpr int64_t kKindQ4 = 4, kKindQ4S = 5, kKindQ5S = 6, kKindQ5M = 7, kKindQ8 = 8, kKindQ4K = 104, kKindQ5K = 105,
+constexpr int64_t kKindQ4 = 4, kKindQ4S = 5, kKindQ5S = 6, kKindQ5M = 7, kKindQ8 = 8, kKindIQ4NL = 9, kKindQ4K = 104, kKindQ5K = 105,
                   kKindQ6K = 106, kKindIQ4X = 108;
 
 // Bytes of one (tile, block) for the block-of-32 kinds.

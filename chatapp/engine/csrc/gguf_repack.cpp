@@ -10,13 +10,13 @@
 //   Q4_0 -> kind 5 (codes offset by 8)         Q4_1 -> kind 4   Q8_0 -> kind 8
 //   Q5_0 -> kind 6 (codes offset by 16)        Q5_1 -> kind 7
 //   Q4_K -> 104   Q5_K -> 105   Q6_K -> 106
-// Two types our kernels have no loop of their own for are held exactly by a kind that does, at more bytes
-// a weight (1.9x the file's) but with the file's very factors, in the file's order:
+// Q3_K has no loop of its own and is held exactly by Q6_K's kind, at more bytes a weight (1.9x the file's) but
+// with the file's very factors, in the file's order:
 //   Q3_K -> 106: d x a 6-bit scale (-32..31) x a code (-4..3) per 16 weights is Q6_K's d x int8 scale x
 //                code (-32..31), the code stored + 32 as Q6_K stores it
-//   IQ4_NL -> kind 8: d x one of 16 fixed values (-127..113) per 32 weights is Q8_0's d x an int8
-// and one has a kind of its own (kquant.cpp's IQ4X, its indices and factors as the file has them, 1.01x its bytes):
-//   IQ4_XS -> 108: d x a 6-bit scale (-32..31) per 32 x one of IQ4_NL's values, the scale as an int8
+// The two types that index IQ4_NL's 16 values with 4 bits have kinds of their own (the kernels look the values
+// up), their indices and factors as the file has them:
+//   IQ4_NL -> kind 9 (Q4_0's layout, 1.0x)   IQ4_XS -> 108 (kquant.cpp's IQ4X; its 6-bit scales as int8, 1.015x)
 #include <ATen/Parallel.h>
 
 #include <cstring>
@@ -27,6 +27,7 @@
 #endif
 
 #include "block_quant.h"
+#include "iq4_values.h"
 #include "worker_pool.h"
 
 namespace {
@@ -42,8 +43,6 @@ constexpr int kPopulateWrite = 23;  // Linux 5.14's value, for older headers
 // ggml type ids (ggml.h) and block bytes.
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13,
                   kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23;
-// IQ4_NL's 16 values (ggml-common.h's kvalues_iq4nl).
-constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 int64_t gguf_block_bytes(int64_t type) {
   switch (type) {
@@ -68,8 +67,8 @@ int64_t kind_for(int64_t type) {
     case kQ4_1: return kKindQ4;
     case kQ5_0: return kKindQ5S;
     case kQ5_1: return kKindQ5M;
-    case kQ8_0:
-    case kIQ4_NL: return kKindQ8;
+    case kQ8_0: return kKindQ8;
+    case kIQ4_NL: return kKindIQ4NL;
     case kQ3_K:
     case kQ6_K: return kKindQ6K;
     case kQ4_K: return kKindQ4K;
@@ -125,12 +124,6 @@ Block32 decode_block32(int64_t type, const uint8_t* p) {
       }
       break;
     }
-    case kIQ4_NL:  // value index of weight i: byte i's low nibble (i < 16), byte i - 16's high nibble
-      for (int i = 0; i < 32; ++i) {
-        const int index = i < 16 ? p[2 + i] & 0x0F : p[2 + i - 16] >> 4;
-        b.code[i] = static_cast<uint8_t>(kIQ4NLValues[index] + 128);  // kind 8's codes are offset by 128
-      }
-      break;
     default:  // Q8_0
       for (int i = 0; i < 32; ++i) b.code[i] = static_cast<uint8_t>(static_cast<int8_t>(p[2 + i]) + 128);
   }
@@ -261,8 +254,8 @@ void write_block256(uint8_t* blk, int64_t kind, int64_t c, const Block256& b) {
   }
 }
 
-// Direct writers for the types people pull most (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), and IQ4_XS (which has only
-// this one): each goes from the file's bytes to the tile's in words, without decoding to one byte per weight
+// Direct writers for the types people pull most (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), and IQ4_NL and IQ4_XS (which have
+// only these): each goes from the file's bytes to the tile's in words, without decoding to one byte per weight
 // first. They write exactly what decode_block* + write_block* write (tests/test_gguf.py holds every type to
 // gguf's weights), about 4x faster: a 1B Q4_K_M file's repack is most of its start.
 
@@ -291,8 +284,9 @@ void put_nibble_group(uint8_t* dst, int64_t c, const uint8_t* a, bool high) {
 bool write_direct(int64_t type, uint8_t* blk, int64_t c, const uint8_t* p) {
   switch (type) {
     case kQ4_0:  // kind 5's nibble byte for input i is the file's byte i (i < 16 low, i + 16 high)
+    case kIQ4_NL:  // and kind 9's (IQ4_NL's indices sit as Q4_0's codes)
     case kQ4_1: {
-      const uint8_t* qs = p + (type == kQ4_0 ? 2 : 4);
+      const uint8_t* qs = p + (type == kQ4_1 ? 4 : 2);
       for (int j = 0; j < 4; ++j) std::memcpy(blk + 64 * j + 4 * c, qs + 4 * j, 4);
       std::memcpy(blk + 256 + 2 * c, p, 2);
       if (type == kQ4_1) std::memcpy(blk + 288 + 2 * c, p + 2, 2);

@@ -47,6 +47,7 @@
 
 #include "avx2_dot.h"
 #include "block_quant.h"
+#include "iq4_values.h"
 #include "tile_walk.h"
 
 namespace {
@@ -164,9 +165,7 @@ constexpr int32_t sub_block_offset(int64_t kind) { return kind == kKindIQ4X ? 12
 constexpr int32_t start_factor(int64_t kind) { return sub_block_offset(kind) / 32; }
 // Where sub-block s's scales are (a row of 16 channels' int8s): Q6_K has one per 16 inputs, IQ4X one per 32.
 constexpr int64_t scale_row(int64_t kind, int64_t s) { return kind == kKindIQ4X ? s / 2 : s; }
-// IQ4_NL's (and IQ4_XS's) 16 values, + 128 as the VNNI dots read them, and as they are (the AVX2 sign trick's).
-alignas(16) constexpr uint8_t kIQ4Codes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
-alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
 
 // The code of channel c's input i (0..255) of a (tile, super-block), as the kernel sees it.
 template <int64_t kKind>
