@@ -306,6 +306,14 @@ def facts_from_gguf_summary(summary: dict[str, Any]) -> ModelFacts:
 _SUMMARY_VERSION = 2
 
 
+def _packings() -> str:
+    """Which kind holds each GGUF type, and its bytes, as part of a cached summary's key: a chatapp that packs
+    a type otherwise (IQ4_XS ran in float32 before it had a kind) must not take an older weight figure."""
+    from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE, TILE_BYTES
+
+    return repr((sorted(KIND_FOR_GGUF_TYPE.items()), sorted(TILE_BYTES.items())))
+
+
 # A GGUF file's type as its name says it (llama.cpp's labels: "Q4_K_M", "IQ4_XS", ...), in any case.
 _TYPE_IN_NAME = re.compile(r"(?<![A-Z0-9])(I?Q\d_(?:K|\d|NL|XXS|XS|S|M)|TQ\d_\d|BF16|F16|F32)(?:_[SML])?(?![A-Z0-9])")
 
@@ -342,7 +350,7 @@ def _gguf_summary(path: Path) -> dict[str, Any]:
     from chatapp import paths
 
     stat = path.stat()
-    identity = f"{_SUMMARY_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    identity = f"{_SUMMARY_VERSION}|{_packings()}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     key = hashlib.blake2b(identity.encode(), digest_size=8).hexdigest()
     cache = paths.cache_dir() / "gguf-info" / f"{key}.json"
     try:
