@@ -59,7 +59,7 @@ void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, in
 
 // A GGUF tensor's rows (uint8 [N, row bytes], as the file stores them) -> (packed, kind). Every weight is
 // kept exactly: no rounding happens here. ggml_type: the file's type id (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7,
-// Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14). row_order: packed row i is the file's row row_order[i] (undoes
+// Q8_0 8, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23). row_order: packed row i is the file's row row_order[i] (undoes
 // llama.cpp's q/k permutation without a copy). out: a zeroed [tiles, blocks, tile bytes] to fill (a
 // slice of a fused projection's packing), else a new tensor is made.
 std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t k,
