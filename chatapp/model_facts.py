@@ -332,7 +332,7 @@ def cpu_bytes_per_file_byte(filename: str) -> float:
     """
     import gguf
 
-    from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE, TILE, TILE_BYTES, block_inputs
+    from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE, SUPER_BLOCK, TILE, packed_bytes
 
     found = _TYPE_IN_NAME.search(PurePosixPath(filename).name.upper())
     name = found.group(1) if found else ""
@@ -342,7 +342,8 @@ def cpu_bytes_per_file_byte(filename: str) -> float:
     block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
     file_bytes_per_weight = block_bytes / block
     kind = KIND_FOR_GGUF_TYPE.get(name)
-    cpu_bytes_per_weight = TILE_BYTES[kind] / (TILE * block_inputs(kind)) if kind is not None else 4.0
+    # a tile of 16 rows of 256 inputs: whole blocks of every kind
+    cpu_bytes_per_weight = packed_bytes(kind, TILE, SUPER_BLOCK) / (TILE * SUPER_BLOCK) if kind is not None else 4.0
     return max(1.0, cpu_bytes_per_weight / file_bytes_per_weight)
 
 

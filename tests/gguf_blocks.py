@@ -22,6 +22,7 @@ _FP16_FIELDS = {
     "Q3_K": ([108], []),
     "IQ4_NL": ([0], []),
     "IQ4_XS": ([0], []),
+    "Q2_K": ([80], [82]),
 }
 # A typical |weight| per unit of the fp16 scale, to aim the weights' size: codes x integer scales.
 _SCALE_UNIT = {
@@ -36,10 +37,13 @@ _SCALE_UNIT = {
     "Q3_K": 4 * 32,
     "IQ4_NL": 64,
     "IQ4_XS": 64 * 16,
+    "Q2_K": 2 * 8,
 }
 WIDENED_TYPES = ("Q3_K",)
 """Types held exactly by another type's packed kind, at more bytes a weight (csrc/gguf_repack.cpp)."""
-BLOCK_TYPES = tuple(t for t in _FP16_FIELDS if t not in WIDENED_TYPES)
+FLOAT32_TYPES = ("Q2_K",)
+"""Types no kind holds: the engine runs them de-quantised to float32."""
+BLOCK_TYPES = tuple(t for t in _FP16_FIELDS if t not in WIDENED_TYPES + FLOAT32_TYPES)
 """Types with a packed kind of their own."""
 
 

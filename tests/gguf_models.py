@@ -120,11 +120,14 @@ def write_llama_gguf(
         writer.add_key_value(key, value, main, sub_type=sub)
 
     def quantized(name: str, rows: int, cols: int, type_name: str, size: float = weight_size) -> None:
-        if type_name in ("F16", "F32"):  # plain floats (llama-quantize's input)
-            values = (rng.standard_normal((rows, cols), dtype=np.float32) * size).astype(
-                type_name.lower().replace("f", "float")
-            )
-            writer.add_tensor(name, values)
+        if type_name in ("F16", "F32", "BF16"):  # plain floats (llama-quantize's input)
+            values = rng.standard_normal((rows, cols), dtype=np.float32) * size
+            if type_name == "BF16":  # the top half of each float32, rounded to nearest even as converters do
+                bits = values.view(np.uint32).astype(np.uint64)
+                halves = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+                writer.add_tensor(name, halves.view(np.uint8), raw_dtype=GGMLQuantizationType.BF16)
+                return
+            writer.add_tensor(name, values.astype(np.float16 if type_name == "F16" else np.float32))
             return
         data = random_blocks(type_name, rows, cols, rng, size)
         writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType[type_name])

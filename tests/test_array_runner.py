@@ -31,13 +31,14 @@ KV = 0.02  # GiB: a small pool, committed only as it fills
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away", "1 2 3"]
 GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
-# Synthetic Llama files (tests/gguf_models.py): K-quant mix, Q8_0 with tied embeddings, Q4_0, and F16
-# projections (no kernel of ours takes them: the array model de-quantises them to float32 layers).
+# Synthetic Llama files (tests/gguf_models.py): K-quant mix, Q8_0 with tied embeddings, Q4_0, F16 projections
+# (the float rows kernel reads them in the file) and F32 ones (the array model runs them as float32 layers).
 LLAMA_FILES: dict[str, dict[str, Any]] = {
     "Q4_K_M": dict(mix="Q4_K_M", seed=5),
     "Q8_0-tied": dict(mix="Q8_0", tied=True, seed=1),
     "Q4_0": dict(mix="Q4_0", seed=2),
     "F16": dict(mix="F16", embed_type="Q8_0", seed=4),
+    "F32": dict(mix="F32", embed_type="Q8_0", seed=4),
 }
 
 
@@ -85,8 +86,10 @@ def test_greedy_tokens_equal_the_torch_runners_batched_alone_and_chunked(
     with caplog.at_level(logging.INFO, logger="chatapp.engine.models.gguf_weights"):
         array = engine(path, "array")
     assert array.config.quantization == "gguf"
-    if name == "F16":  # its projections ran as de-quantised float32 layers, not in a kernel's blocks
-        assert "F16 is not a type our kernels run; de-quantised to float32" in caplog.text
+    if name == "F32":  # its projections ran as float32 layers, not in a kernel's blocks
+        assert "F32 is not a type our kernels run; de-quantised to float32" in caplog.text
+    else:
+        assert "de-quantised to float32" not in caplog.text
     assert tokens(array, PROMPTS) == expected
     assert [tokens(array, [p])[0] for p in PROMPTS] == expected
     assert tokens(engine(path, "array", max_num_batched_tokens=3), PROMPTS) == expected

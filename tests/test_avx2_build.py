@@ -59,6 +59,20 @@ def test_haswell_results_equal_the_native_builds(haswell, native, type_name: str
     assert torch.equal(y, native.block_linear(x, packed, kind, n, bias, path="avx2"))
 
 
+@pytest.mark.parametrize("kind", [1, 2])  # F16 and BF16 rows (csrc/float_rows.cpp)
+def test_haswell_float_rows_equal_the_native_builds(haswell, native, kind: int) -> None:
+    """Two 256-bit halves per 16 lanes, then the same tree: the AVX-512 loop's bits."""
+    rng = np.random.default_rng(kind)
+    n, k = 37, 512
+    raw = torch.from_numpy((rng.integers(0, 2**16, size=(n, k), dtype=np.uint16) & np.uint16(0xBFFF)).view(np.uint8))
+    x = torch.randn(11, k) * torch.logspace(-2, 1, 11)[:, None]
+    bias = torch.randn(n)
+    y = haswell.block_linear(x, raw, kind, n, bias)
+    assert torch.equal(haswell.block_linear(x, raw, kind, n, bias, path="portable"), y)
+    assert torch.equal(haswell.block_linear(x[5:6].clone(), raw, kind, n, bias)[0], y[5])
+    assert torch.equal(y, native.block_linear(x, raw, kind, n, bias))
+
+
 def test_a_q4_k_m_model_answers_alike_on_the_haswell_build(haswell, tmp_path: Path, monkeypatch) -> None:
     """The whole layer loop on the Haswell build (attention on 256-bit halves, the AVX2 K-quant loops)
     gives the native build's logits to the bit: every kernel keeps one arithmetic whatever the vector

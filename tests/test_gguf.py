@@ -207,6 +207,59 @@ def test_threads_sharing_a_linear_compute_every_tile_once(ext, type_name: str) -
         torch.set_num_threads(threads)
 
 
+FLOAT_ROWS = {"F16": 1, "BF16": 2}
+
+
+def random_float_rows(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [n, 2 k]: F16 or BF16 rows of random bits, subnormals included, |w| < 2 (no inf or NaN)."""
+    halves = rng.integers(0, 2**16, size=(n, k), dtype=np.uint16) & np.uint16(0xBFFF)
+    return halves.view(np.uint8)
+
+
+@pytest.mark.parametrize("type_name", sorted(FLOAT_ROWS))
+def test_float_rows_compute_the_exact_weights_product(ext, type_name: str) -> None:
+    """The float rows kernel reads F16/BF16 rows as the file has them: its weights are gguf's values, every
+    loop gives the same bits, rows never depend on their batch or on the threads, and the product is the
+    float64 one up to float32 rounding (activations are not rounded)."""
+    rng = np.random.default_rng(23)
+    n, k = 37, 1024
+    raw = random_float_rows(type_name, n, k, rng)
+    packed, kind = torch.from_numpy(raw), FLOAT_ROWS[type_name]
+    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]))
+    assert torch.equal(dequantize(packed, kind, n), weights)
+    torch.manual_seed(0)
+    x = torch.randn(70, k) * torch.logspace(-2, 1, 70)[:, None]
+    bias = torch.randn(n)
+    y = ext.block_linear(x, packed, kind, n, bias)
+    expected = x.double() @ weights.double().T + bias.double()
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+    for path in ext.block_quant_paths():
+        assert torch.equal(ext.block_linear(x, packed, kind, n, bias, path=path), y), path
+        for i in (0, 3, 69):
+            assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias, path=path)[0], y[i])
+        for rows in range(2, 14):  # the vector loops take rows 4 (or 2) at a time, then 2 and 1
+            assert torch.equal(ext.block_linear(x[:rows], packed, kind, n, bias, path=path), y[:rows]), (path, rows)
+    strided = torch.zeros(70, k + 64)[:, :k]
+    strided.copy_(x)
+    assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ext.block_linear(x, packed, kind, n, bias), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_float_rows_refuse_rows_that_do_not_match(ext) -> None:
+    raw = torch.from_numpy(random_float_rows("F16", 8, 64, np.random.default_rng(0)))
+    with pytest.raises(RuntimeError, match="not a multiple of 16"):
+        ext.block_linear(torch.randn(1, 40), raw[:, :80].contiguous(), 1, 8)
+    with pytest.raises(RuntimeError, match="weight rows hold 64 inputs, x has 128"):
+        ext.block_linear(torch.randn(1, 128), raw, 1, 8)
+    with pytest.raises(RuntimeError, match="8 rows for 9 outputs"):
+        ext.block_linear(torch.randn(1, 64), raw, 1, 9)
+
+
 def test_repack_rejects_rows_that_do_not_match_the_type(ext) -> None:
     raw = random_blocks("Q4_K", 16, 512, np.random.default_rng(0))
     with pytest.raises(RuntimeError, match="row bytes"):
@@ -519,10 +572,42 @@ def test_loading_a_300_mb_file_adds_at_most_1_3x_its_size_to_peak_rss(tmp_path: 
     assert rss["peak"] - rss["before"] <= 1.3 * size, (rss, size)
 
 
-def test_float_tensors_run_dequantised_and_match_the_float_model(gguf_dir: Path) -> None:
-    """F16 tensors (no kernel of ours takes them) become float32 layers of the same values: the
-    file still loads in its own types ("gguf"), and answers exactly as the float model does."""
-    path = write_llama_gguf(gguf_dir / "tiny-F16.gguf", mix="F16", embed_type="Q8_0", seed=4)
+@pytest.mark.parametrize("mix", ["F16", "BF16"])
+def test_float_rows_files_run_in_their_own_bytes_and_match_the_float_model(gguf_dir: Path, mix: str) -> None:
+    """F16 and BF16 projections run in the float rows kernel, on the file's own rows (mapped, not copied;
+    llama.cpp's permuted q/k rows copied back in order), and answer exactly as the float model does."""
+    from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE
+    from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.engine.models.gguf_weights import GGUFWeights, unpermute_rows
+
+    path = write_llama_gguf(gguf_dir / f"tiny-rows-{mix}.gguf", mix=mix, embed_type="Q8_0", seed=4)
+    kind = KIND_FOR_GGUF_TYPE[mix]
+    native = LLM(str(path), kv_cache_memory_gib=0.02, runner="torch")
+    exact = LLM(str(path), kv_cache_memory_gib=0.02, quantization=None)
+    assert native.config.quantization == "gguf"
+    layer = native.core.runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, BlockQuantLinear) and layer.self_attn.qkv_proj.kinds == (kind,) * 3
+    assert isinstance(layer.mlp.down_proj, BlockQuantLinear) and layer.mlp.down_proj.kinds == (kind,)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in native.generate(PROMPTS, params)] == expected
+    torch_free = LLM(str(path), kv_cache_memory_gib=0.02)  # the array runner
+    assert [o.outputs[0].token_ids for o in torch_free.generate(PROMPTS, params)] == expected
+
+    gguf = GGUFModelFile(path)
+    mc = gguf.model_config()
+    q, k, v = GGUFWeights(gguf, mc).layer(cpu_kernels.load(), 1).qkv.packed or []
+    v_file = gguf.tensor("blk.1.attn_v.weight").data
+    assert np.shares_memory(v[0], v_file) and v[0].shape == v_file.shape  # read in place
+    q_file = gguf.tensor("blk.1.attn_q.weight").data
+    assert not np.shares_memory(q[0], q_file)
+    assert np.array_equal(q[0], q_file[unpermute_rows(q_file.shape[0], mc.num_heads)])
+
+
+def test_float32_tensors_run_as_float32_layers_and_match_the_float_model(gguf_dir: Path) -> None:
+    """F32 projections (no kernel of ours takes them) become float32 layers of the same values: the file
+    still loads in its own types ("gguf"), and answers exactly as the float model does."""
+    path = write_llama_gguf(gguf_dir / "tiny-F32.gguf", mix="F32", embed_type="Q8_0", seed=4)
     native = LLM(str(path), kv_cache_memory_gib=0.02, runner="torch")
     exact = LLM(str(path), kv_cache_memory_gib=0.02, quantization=None)
     assert native.config.quantization == "gguf"
@@ -532,6 +617,19 @@ def test_float_tensors_run_dequantised_and_match_the_float_model(gguf_dir: Path)
     expected = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)]
     assert [o.outputs[0].token_ids for o in native.generate(PROMPTS, params)] == expected
     torch_free = LLM(str(path), kv_cache_memory_gib=0.02)  # the array runner's float32 layers
+    assert [o.outputs[0].token_ids for o in torch_free.generate(PROMPTS, params)] == expected
+
+
+def test_float_rows_of_a_length_the_kernel_cannot_sum_run_as_float32(gguf_dir: Path) -> None:
+    """The float rows kernel sums 16 inputs at a time: F16 rows of 264 and 520 inputs run as float32 layers."""
+    shape = LlamaShape(hidden=264, heads=3, kv_heads=1, intermediate=520)
+    path = write_llama_gguf(gguf_dir / "tiny-F16-264.gguf", shape, mix="F16", seed=2)
+    native = LLM(str(path), kv_cache_memory_gib=0.02, runner="torch")
+    assert isinstance(native.core.runner.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+    exact = LLM(str(path), kv_cache_memory_gib=0.02, quantization=None)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in exact.generate(PROMPTS, params)]
+    torch_free = LLM(str(path), kv_cache_memory_gib=0.02)
     assert [o.outputs[0].token_ids for o in torch_free.generate(PROMPTS, params)] == expected
 
 

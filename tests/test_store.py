@@ -263,11 +263,11 @@ def test_a_gguf_files_weights_are_what_the_engine_holds_and_its_cache_is_half_pr
     assert estimate.weights_bytes == facts.weights_bytes and estimate.kv_tokens == facts.context_length
 
 
-@pytest.mark.parametrize("mix", ["Q3_K_M", "F16"])
+@pytest.mark.parametrize("mix", ["Q3_K_M", "Q2_K"])
 def test_a_gguf_file_of_a_type_run_wider_is_listed_with_what_the_engine_will_hold(
     home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mix: str
 ) -> None:
-    """Q3_K runs in Q6_K's kind (1.9x its bytes), F16 in float32: a listing that took the file's size would
+    """Q3_K runs in Q6_K's kind (1.9x its bytes), Q2_K in float32: a listing that took the file's size would
     call a model that the engine then refuses "fits"."""
     from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE
     from chatapp.engine.models.gguf_file import GGUFModelFile
@@ -295,7 +295,8 @@ def test_a_gguf_downloads_memory_is_scaled_by_the_type_its_name_says() -> None:
     assert per_file_byte("Qwen2.5-7B-Instruct-IQ4_XS-00001-of-00002.gguf") == pytest.approx(2208 / 2176)
     assert per_file_byte("Model-Q2_K.gguf") == pytest.approx(4 / (84 / 256))  # float32
     assert per_file_byte("Model-IQ3_M.gguf") == per_file_byte("Model-IQ3_S.gguf") > 9  # float32
-    assert per_file_byte("Model-F16.gguf") == per_file_byte("Model-BF16.gguf") == 2.0
+    assert per_file_byte("Model-F16.gguf") == per_file_byte("Model-BF16.gguf") == 1.0  # read in place
+    assert per_file_byte("Model-F32.gguf") == 1.0
     assert per_file_byte("model.gguf") == per_file_byte("QQ4_K_MM.gguf") == 1.0  # no type named: its size
 
 

@@ -17,6 +17,10 @@ KIND_Q4K, KIND_Q5K, KIND_Q6K = 104, 105, 106  # super-blocks of 256 with integer
 KIND_IQ4X = 108  # IQ4_XS: 4-bit indices into 16 values, fp16 d per 256, int8 scale (ls - 32) per 32
 K_KINDS = (KIND_Q4K, KIND_Q5K, KIND_Q6K, KIND_IQ4X)
 SUPER_BLOCK = 256
+# Float rows (csrc/float_rows.cpp): F16 / BF16 weights [N, K] as the file stores them, no tiles, read in place.
+KIND_F16_ROWS, KIND_BF16_ROWS = 1, 2
+ROW_KINDS = (KIND_F16_ROWS, KIND_BF16_ROWS)
+ROW_LANES = 16  # a float rows kind's rows are summed 16 inputs at a time: K must be a multiple
 
 
 # GGUF type -> the packed kind that holds it exactly (csrc/gguf_repack.cpp), and bytes per (tile, block).
@@ -33,6 +37,8 @@ KIND_FOR_GGUF_TYPE = {
     "IQ4_NL": KIND_IQ4NL,
     # held exactly by a kind of another type (gguf_repack.cpp says how), at 1.9x the file's bytes
     "Q3_K": KIND_Q6K,
+    "F16": KIND_F16_ROWS,
+    "BF16": KIND_BF16_ROWS,
 }
 TILE_BYTES = {
     KIND_Q4: 320,
@@ -49,5 +55,17 @@ TILE_BYTES = {
 
 
 def block_inputs(kind: int) -> int:
-    """Input channels per packed block of this kind."""
-    return SUPER_BLOCK if kind in K_KINDS else BLOCK
+    """Input channels per packed block of this kind (a float rows kind's lanes)."""
+    return SUPER_BLOCK if kind in K_KINDS else ROW_LANES if kind in ROW_KINDS else BLOCK
+
+
+def packed_bytes(kind: int, rows: int, k: int) -> int:
+    """Bytes a packing of this kind holds for ``rows`` outputs of ``k`` inputs (tiles padded to 16 rows)."""
+    if kind in ROW_KINDS:
+        return rows * k * 2
+    return -(-rows // TILE) * (k // block_inputs(kind)) * TILE_BYTES[kind]
+
+
+def packs(kind: int, k: int) -> bool:
+    """Whether a row of ``k`` inputs fits this kind's blocks (else the weights run in float32)."""
+    return k % block_inputs(kind) == 0

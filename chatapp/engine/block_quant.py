@@ -27,6 +27,8 @@ from torch import nn
 from chatapp.engine.block_kinds import (  # noqa: F401  (re-exported: the packed kinds' names)
     BLOCK,
     K_KINDS,
+    KIND_BF16_ROWS,
+    KIND_F16_ROWS,
     KIND_FOR_GGUF_TYPE,
     KIND_IQ4NL,
     KIND_IQ4X,
@@ -38,6 +40,7 @@ from chatapp.engine.block_kinds import (  # noqa: F401  (re-exported: the packed
     KIND_Q5S,
     KIND_Q6K,
     KIND_Q8,
+    ROW_KINDS,
     SUPER_BLOCK,
     TILE,
     TILE_BYTES,
@@ -191,6 +194,9 @@ def dequantize(packed: torch.Tensor, kind: int, out_features: int) -> torch.Tens
     For weights from a GGUF file, the float operations are gguf's own, so the result is
     bit for bit what ``gguf.quants.dequantize`` gives.
     """
+    if kind in ROW_KINDS:  # the file's F16 / BF16 rows: uint8 [N, 2 K]
+        halves = packed.view(torch.float16 if kind == KIND_F16_ROWS else torch.bfloat16)
+        return halves.float()[:out_features]
     tiles, blocks = packed.shape[:2]
     if kind in K_KINDS:
         w = _dequantize_k(packed, kind)

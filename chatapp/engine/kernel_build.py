@@ -22,7 +22,14 @@ from pathlib import Path
 from types import ModuleType
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention_cpu.cpp", "block_quant.cpp", "kquant.cpp", "gguf_repack.cpp", "cpu_forward.cpp")
+SOURCES = (
+    "paged_attention_cpu.cpp",
+    "block_quant.cpp",
+    "kquant.cpp",
+    "float_rows.cpp",
+    "gguf_repack.cpp",
+    "cpu_forward.cpp",
+)
 # -march=native: the machine's own vector units (AVX-512 VNNI where it has them); the key below
 # holds the CPU's flags, so a build never runs on a CPU it was not made for.
 # -ffp-contract=off: no fused multiply-adds, so vectorised and scalar loops round alike

@@ -470,8 +470,9 @@ int64_t kind_block_inputs(int64_t kind) { return kind >= kKindQ4K ? kSuperBlock 
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
                         const std::optional<at::Tensor>& bias, const std::string& path_name) {
-  const int64_t tile_bytes = kind_tile_bytes(kind), block = kind_block_inputs(kind);
   const KernelPath path = kernel_path(path_name);
+  if (is_float_rows_kind(kind)) return float_rows_linear(x, packed, kind, out_features, bias, path);
+  const int64_t tile_bytes = kind_tile_bytes(kind), block = kind_block_inputs(kind);
   TORCH_CHECK(tile_bytes > 0, "unknown packed weight kind ", kind);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.dim() == 3,

@@ -22,6 +22,8 @@ constexpr int64_t kSuperBlock = 256;  // input channels per super-block (the K k
 //   9: 4-bit indices into IQ4_NL's 16 values v, fp16 scale per 32 (w = d*v): IQ4_NL exactly, in its 18 bytes.
 //   104 / 105 / 106: Q4_K / Q5_K / Q6_K super-blocks of 256, their integer sub-block scales kept.
 //   108: IQ4X, 4-bit indices into IQ4_NL's 16 values, an fp16 d per 256 and an int8 scale per 32: IQ4_XS exactly.
+//   1 / 2: F16 / BF16 rows, [N, K] as a GGUF file stores them (float_rows.cpp): no tiles, read in place.
+constexpr int64_t kKindF16Rows = 1, kKindBF16Rows = 2;
 constexpr int64_t kKindQ4 = 4, kKindQ4S = 5, kKindQ5S = 6, kKindQ5M = 7, kKindQ8 = 8, kKindIQ4NL = 9, kKindQ4K = 104, kKindQ5K = 105,
                   kKindQ6K = 106, kKindIQ4X = 108;
 
@@ -48,10 +50,16 @@ KernelPath kernel_path(const std::string& name);
 // The loops compiled in, fastest first: "vnni" (AVX-512 VNNI), "avx2", "portable" (a plain loop, always).
 std::vector<std::string> block_quant_paths();
 
-// y [M, out_features] = x [M, K] @ W^T (+ bias); packed: uint8 [tiles, K / block, tile bytes]. Every row is
+// y [M, out_features] = x [M, K] @ W^T (+ bias); packed: uint8 [tiles, K / block, tile bytes] (the float rows
+// kinds: uint8 [N, 2 K]). Every row is
 // computed alike whatever else is in x (batch-invariant). path: which loop (kernel_path's names).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
                         const std::optional<at::Tensor>& bias, const std::string& path = "best");
+
+// The float rows kinds' kernel (float_rows.cpp), called by block_linear: rows uint8 [N, 2 K].
+bool is_float_rows_kind(int64_t kind);
+at::Tensor float_rows_linear(const at::Tensor& x, const at::Tensor& rows, int64_t kind, int64_t out_features,
+                             const std::optional<at::Tensor>& bias, KernelPath path);
 
 // The K kinds' kernel (kquant.cpp), called by block_linear.
 void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, int64_t kind, int64_t out_features,

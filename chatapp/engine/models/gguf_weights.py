@@ -3,7 +3,8 @@
 Both CPU loaders read through here: gguf_loader.py (the torch model) wraps these arrays as tensors
 without copying, and array_runner.py (the torch-free engine) hands them to the C++ layer loop as they
 are. What lives here: tensors de-quantised exactly, llama.cpp's q/k row permutation undone, fused
-projections' parts found by name, and projections repacked into our kernels' tiles.
+projections' parts found by name, and projections repacked into our kernels' tiles (F16 and BF16 rows
+are not repacked: the kernel reads them in the file).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from chatapp.engine.block_kinds import KIND_FOR_GGUF_TYPE, TILE, TILE_BYTES, block_inputs
+from chatapp.engine.block_kinds import (
+    KIND_FOR_GGUF_TYPE,
+    ROW_KINDS,
+    TILE,
+    TILE_BYTES,
+    block_inputs,
+    packed_bytes,
+    packs,
+)
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
 from chatapp.engine.step_inputs import untouched_zeros
@@ -31,7 +40,8 @@ Projection = list[tuple[str, int, int | None]]
 """A fused projection's parts: (tensor name, rows, rope heads whose rows to un-permute)."""
 
 PackedWeight = tuple[np.ndarray, int, int]
-"""One packing of a projection: (uint8 [tiles, blocks, tile bytes], kind, real output rows)."""
+"""One packing of a projection: (uint8 [tiles, blocks, tile bytes], kind, real output rows); for a float rows
+kind, (uint8 [rows, 2 K], kind, rows): the file's own rows."""
 
 
 @dataclass
@@ -186,7 +196,7 @@ class GGUFWeights:
         """A projection packed in the file's own types, or de-quantised where our kernels lack one."""
         tensors = self.checked_tensors(parts)
         k, n = tensors[0].shape[-1], sum(rows for _name, rows, _heads in parts)
-        if all(t.type_name in NATIVE_TYPES for t in tensors):
+        if all(t.type_name in NATIVE_TYPES and packs(KIND_FOR_GGUF_TYPE[t.type_name], k) for t in tensors):
             return LinearWeights(k, n, self.repack(ext, parts, tensors), None, bias)
         log.info(
             "%s: %s is not a type our kernels run; de-quantised to float32",
@@ -216,13 +226,22 @@ class GGUFWeights:
         for i, t in enumerate(tensors):
             kind = KIND_FOR_GGUF_TYPE[t.type_name]
             prev = groups[-1][-1] if groups else None
-            if prev is not None and KIND_FOR_GGUF_TYPE[tensors[prev].type_name] == kind and parts[prev][1] % TILE == 0:
+            if (
+                prev is not None
+                and KIND_FOR_GGUF_TYPE[tensors[prev].type_name] == kind
+                and kind not in ROW_KINDS
+                and parts[prev][1] % TILE == 0
+            ):
                 groups[-1].append(i)
             else:
                 groups.append([i])
         packed: list[PackedWeight] = []
         for group in groups:
             kind = KIND_FOR_GGUF_TYPE[tensors[group[0]].type_name]
+            if kind in ROW_KINDS:
+                (i,) = group
+                packed.append((self.float_rows(tensors[i], parts[i][2]), kind, parts[i][1]))
+                continue
             tiles = [-(-parts[i][1] // TILE) for i in group]
             out = _mapped_zeros((sum(tiles), k // block_inputs(kind), TILE_BYTES[kind]))
             start = 0
@@ -243,15 +262,26 @@ class GGUFWeights:
             packed.append((out, kind, sum(parts[i][1] for i in group)))
         return packed
 
+    def float_rows(self, tensor: GGUFTensor, heads: int | None) -> np.ndarray:
+        """An F16/BF16 tensor's rows for the float rows kernel: the file's own (mapped, nothing copied), or
+        where llama.cpp permuted them, a copy in Hugging Face's order."""
+        order = self.row_order(tensor, heads)
+        if order is None:
+            return tensor.data
+        rows = _mapped_zeros(tensor.data.shape)
+        np.take(tensor.data, order, axis=0, out=rows)
+        self.gguf.release(tensor)
+        return rows
 
-def _mapped_zeros(shape: tuple[int, int, int]) -> np.ndarray:
+
+def _mapped_zeros(shape: tuple[int, ...]) -> np.ndarray:
     """A zeroed uint8 array in an anonymous mapping of its own.
 
     Why not np.zeros: numpy asks for transparent huge pages on big arrays, and where the kernel
     compacts memory to find them (THP defrag "madvise", as on this VM) the first touch of 690 MB
     took 1.7 s against 0.35 s here; the repack's threads then fault the pages in between them (a 1B
     Q4_K_M file loaded in 0.36 s against 1.36 s, and 0.43 s with the pages populated up front)."""
-    size = shape[0] * shape[1] * shape[2]
+    size = int(np.prod(shape))
     return np.frombuffer(untouched_zeros(size), dtype=np.uint8, count=size).reshape(shape)
 
 
@@ -291,8 +321,8 @@ def native_weight_bytes(gguf: GGUFModelFile, mc: ModelConfig) -> int:
             continue
         rows, k = (int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1), t.shape[-1]
         kind = KIND_FOR_GGUF_TYPE.get(t.type_name)
-        if kind is None or len(t.shape) == 1:
+        if kind is None or len(t.shape) == 1 or not packs(kind, k):
             total += rows * k * 4  # float32: norms, and tensors our kernels do not take
         else:
-            total += -(-rows // TILE) * (k // block_inputs(kind)) * TILE_BYTES[kind]
+            total += packed_bytes(kind, rows, k)
     return total
