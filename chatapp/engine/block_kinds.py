@@ -37,6 +37,7 @@ KIND_FOR_GGUF_TYPE = {
     "IQ4_NL": KIND_IQ4NL,
     # held exactly by a kind of another type (gguf_repack.cpp says how), at 1.9x the file's bytes
     "Q3_K": KIND_Q6K,
+    # the file's own rows, read in place by csrc/float_rows.cpp (no repack)
     "F16": KIND_F16_ROWS,
     "BF16": KIND_BF16_ROWS,
 }
