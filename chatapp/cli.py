@@ -98,8 +98,18 @@ def starts_engine(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from chatapp.engine import startup_gc
+
     if starts_engine(sys.argv[1:] if argv is None else argv):
+        startup_gc.hold()  # released once the TUI's first screen is up, or `serve` listens
         _prestart_engine()
+    try:
+        return _run(argv)
+    finally:
+        startup_gc.release()
+
+
+def _run(argv: list[str] | None) -> int:
     from chatapp.logs import log_to_file, log_to_terminal
 
     parser = build_parser()

@@ -114,10 +114,14 @@ def _backend(tokens: list[str], merges: list[str], types: list[int], pre: str, n
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
     # A token written in plain UTF-8 (some converters' added tokens) is spelled in the byte alphabet.
-    vocab = {
-        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
-        for index, token in enumerate(tokens)
-    }
+    # Most files have none: one check over all of them, then no per-token test (~2x less time).
+    if set("".join(tokens)) <= alphabet:
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        vocab = {
+            token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+            for index, token in enumerate(tokens)
+        }
     pairs: list[tuple[str, str]] = []
     for merge in merges:
         left, right = merge.split(" ")  # a merge of other than two parts: ValueError (left to transformers)

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 
-from chatapp.engine import prestart
+from chatapp.engine import prestart, startup_gc
 
 
 def _numpy_with_one_blas_thread() -> None:
@@ -38,6 +38,7 @@ def _numpy_with_one_blas_thread() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup_gc.hold()  # released when the first model has loaded (process.py)
     _numpy_with_one_blas_thread()
     argv = sys.argv[1:] if argv is None else argv
     if prestart.CONFIG_FROM_STDIN in argv:  # started ahead of its client (prestart.py)

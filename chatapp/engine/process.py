@@ -38,7 +38,7 @@ import msgspec
 import psutil
 import zmq
 
-from chatapp.engine import ipc
+from chatapp.engine import ipc, startup_gc
 from chatapp.engine.api import EngineBusyError, EngineStats, ErrorKind, ModelInfo, ModelStatus
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
@@ -669,6 +669,7 @@ class EngineServer:
     def _finish_loading(self) -> None:
         loader, self.loader = self.loader, None
         assert loader is not None
+        startup_gc.release()  # the start is over (launch.py held the collector off for it)
         if loader.slot is not self.default:
             if loader.core is not None:
                 self._model_ready(loader.slot, loader.core)

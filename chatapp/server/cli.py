@@ -92,6 +92,7 @@ async def _load_more(client: AsyncEngineClient, models: list[str]) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from chatapp.engine import startup_gc
     from chatapp.engine.client import AsyncEngineClient
     from chatapp.engine.config import EngineConfig
     from chatapp.settings import load_or_default
@@ -133,6 +134,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await client.close()
         return 1
     print(f"Serving the OpenAI-compatible API at {handle.url}/v1 (Ctrl+C stops)", flush=True)
+    startup_gc.release()  # this process's imports are done (cli.main held the collector for them)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

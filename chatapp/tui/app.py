@@ -25,6 +25,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.worker import WorkerCancelled, WorkerFailed
 
+from chatapp.engine import startup_gc
 from chatapp.engine.api import EngineClient, EngineDeadError, EngineError, InvalidRequestError, loaded_model_info
 from chatapp.engine.ipc import normalize_model_spec
 from chatapp.history import Backend, HistoryError, HistoryOpenError, HistoryStore, Session
@@ -157,6 +158,8 @@ class ChatApp(App[None]):
             # a 50 ms stall of the UI every few seconds while answers stream. (Not in headless test
             # runs: many apps in one process would each stay in memory.)
             self.call_after_refresh(gc.freeze)
+        # cli.main held the collector off for the start (startup_gc.py): it resumes with the first screen.
+        self.call_after_refresh(startup_gc.release)
 
     def _apply_keymap(self) -> None:
         mapping, warnings = keymap.keymap(self.settings.keys)
