@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -248,7 +249,7 @@ def main() -> None:
             )
     # The fastest start among every baseline that started; the leanest among those whose RSS was read (a
     # server whose chat aborted, as ik_llama.cpp's on random weights, has a start but no RSS).
-    started = [r for n, r in rows.items() if n != "ours" and r["warm_start_s"] == r["warm_start_s"]]
+    started = [r for n, r in rows.items() if n != "ours" and not math.isnan(r["warm_start_s"])]
     base = [r for r in started if r.get("rss_bytes")]
     if base:
         lean = min(base, key=lambda r: r["rss_bytes"])

@@ -465,9 +465,9 @@ def _read_gguf_metadata_without_torch() -> None:
 
 
 if __name__ == "__main__":  # the build start_tokenizer_build starts: python -m chatapp.engine.tokenizer FILE.gguf
-    import gc
+    from chatapp.engine import startup_gc
 
-    gc.disable()  # a short-lived process: its vocabulary's objects would only be walked again and again
+    startup_gc.hold()  # never released: this process ends with the build (startup_gc.py says why)
     try:
         _read_gguf_metadata_without_torch()
         prepare_tokenizer_files(Path(sys.argv[1]))
