@@ -253,13 +253,18 @@ void tile_pair_loop(const QuantizedActivations& a, int64_t rows, int64_t k, cons
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
     const int64_t count = std::min(kRows, rows - m0);
     for (int h = 0; h < 2; ++h) TileOut512::zero(acc[h], count);
+    prefetch_outputs(y + m0 * n_out + t * kQuantTile, count, n_out);
     for (int64_t b = 0; b < blocks; ++b) {
       __m512i w[2][8];
       __m512 d[2], mins[2];
       for (int h = 0; h < 2; ++h) {
         const uint8_t* blk = tile[h] + b * L.tile_bytes;
+        // kAhead blocks on in tile h's stream, tiles t + h, t + h + 2, ...: past the tile's end, the next pair's tile
+        // h (the one-tile walk's distance ran into tile t + 1, which this pass already reads)
+        const int64_t on = b + kAhead;
+        const uint8_t* ahead = tile[h] + (on / blocks * 2 * blocks + on % blocks) * L.tile_bytes;
         for (int64_t off = 0; off < L.tile_bytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(blk + kAhead * L.tile_bytes + off), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T1);
         unpack_block<kKind>(blk, w[h]);
         d[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.scale_offset)));
         mins[h] = L.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.min_offset)))

@@ -340,12 +340,17 @@ constexpr int64_t kAheadBatched = 6;
 // buffers and stalled it (perf put a quarter of the 8-way loop's samples on the prefetches), so reading
 // and computing ran one after the other. Spread, they overlap: alternated A/B over 390 MB of weights, one
 // row Q4_K +18% / Q6_K +15%, 8 rows +24% / +19%, 512 rows flat; same bits.
-template <int64_t kKind, int64_t kDistance = kAhead>
-CHATAPP_INLINE inline void prefetch_share(const uint8_t* blk, int64_t g) {
+// Group g's share of the lines of the super-block at `next`, into L2.
+template <int64_t kKind>
+CHATAPP_INLINE inline void prefetch_share_of(const uint8_t* next, int64_t g) {
   constexpr int64_t kLines = (layout_of(kKind).tile_bytes + 63) / 64, kPerGroup = (kLines + 7) / 8;
-  const uint8_t* next = blk + kDistance * layout_of(kKind).tile_bytes;
   for (int64_t line = g * kPerGroup; line < std::min(kLines, (g + 1) * kPerGroup); ++line)
     _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+}
+
+template <int64_t kKind, int64_t kDistance = kAhead>
+CHATAPP_INLINE inline void prefetch_share(const uint8_t* blk, int64_t g) {
+  prefetch_share_of<kKind>(blk + kDistance * layout_of(kKind).tile_bytes, g);
 }
 
 template <int64_t kKind>
@@ -472,12 +477,20 @@ void tile_pair_loop(const SuperBlockActivations& a, int64_t rows, int64_t k, con
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
     const int64_t count = std::min(kRows, rows - m0);
     for (int h = 0; h < 2; ++h) TileOut512::zero(acc[h], count);
+    prefetch_outputs(y + m0 * n_out + t * kQuantTile, count, n_out);
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk[2] = {tile[0] + b * L.tile_bytes, tile[1] + b * L.tile_bytes};
+      // kAheadBatched super-blocks on in tile h's stream, tiles t + h, t + h + 2, ...: past the tile's end, the next
+      // pair's tile h (the one-tile walk's distance ran into tile t + 1, which this pass already reads)
+      const uint8_t* ahead[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t on = b + kAheadBatched;
+        ahead[h] = tile[h] + (on / blocks * 2 * blocks + on % blocks) * L.tile_bytes;
+      }
       for (int64_t g = 0; g < 8; ++g) {
         __m512i w[2][8], sc0[2], sc1[2];
         for (int h = 0; h < 2; ++h) {
-          if (m0 == 0) prefetch_share<kKind, kAheadBatched>(blk[h], g);  // later passes find the tiles in L2
+          if (m0 == 0) prefetch_share_of<kKind>(ahead[h], g);  // later passes find the tiles in L2
           load_group<kKind>(blk[h], g, w[h], sc0[h], sc1[h]);
         }
         const int8_t* xq = a.by_group.data() + a.grouped(m0, b * 8 + g, k);  // rows m0.. follow it, 32 bytes apart
