@@ -250,10 +250,7 @@ void tile_pair_loop(const QuantizedActivations& a, int64_t rows, int64_t k, cons
   const int64_t blocks = k / kQuantBlock;
   alignas(64) float acc[2][kRows * kQuantTile];
   const uint8_t* tile[2] = {packed + t * blocks * L.tile_bytes, packed + (t + 1) * blocks * L.tile_bytes};
-  for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
-    const int64_t count = std::min(kRows, rows - m0);
-    for (int h = 0; h < 2; ++h) TileOut512::zero(acc[h], count);
-    prefetch_outputs(y + m0 * n_out + t * kQuantTile, count, n_out);
+  walk_tile_pair<kRows>(rows, t, acc, y, n_out, bias, [&](int64_t m0, int64_t count) CHATAPP_INLINE {
     for (int64_t b = 0; b < blocks; ++b) {
       __m512i w[2][8];
       __m512 d[2], mins[2];
@@ -280,9 +277,7 @@ void tile_pair_loop(const QuantizedActivations& a, int64_t rows, int64_t k, cons
           s[0][r] = s[1][r] = code_offset(kKind) != 0 ? _mm512_set1_epi32(gx[r0 + r].start) : _mm512_setzero_si512();
         for (int j = 0; j < 8; ++j)
           for (int r = 0; r < kG; ++r) {
-            int32_t word;
-            std::memcpy(&word, gq + kQuantBlock * (r0 + r) + 4 * (j % 4) + 16 * (j / 4), 4);
-            const __m512i x = _mm512_set1_epi32(word);
+            const __m512i x = broadcast4(gq + kQuantBlock * (r0 + r) + 4 * (j % 4) + 16 * (j / 4));
             s[0][r] = _mm512_dpbusd_epi32(s[0][r], w[0][j], x);
             s[1][r] = _mm512_dpbusd_epi32(s[1][r], w[1][j], x);
           }
@@ -297,12 +292,7 @@ void tile_pair_loop(const QuantizedActivations& a, int64_t rows, int64_t k, cons
       };
       for_row_groups<4>(count, group);
     }
-    for (int h = 0; h < 2; ++h) {
-      const int64_t n0 = (t + h) * kQuantTile;
-      const TileOut512 out(std::min<int64_t>(kQuantTile, n_out - n0), bias ? bias + n0 : nullptr);
-      for (int64_t r = 0; r < count; ++r) out.store(acc[h] + r * kQuantTile, y + (m0 + r) * n_out + n0);
-    }
-  }
+  });
 }
 
 // Output tiles [t0, t1) for every row, 64 rows at a time so the float sums stay in L1.

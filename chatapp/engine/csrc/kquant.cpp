@@ -403,13 +403,6 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
   for_each_tile<TileOut512, L.tile_bytes>(packed, blocks, t0, t1, n_out, bias, tile_row);
 }
 
-// The 4 activation codes at x broadcast to all 16 lanes, in a register that several dots then share.
-CHATAPP_INLINE inline __m512i broadcast4(const int8_t* x) {
-  int32_t word;
-  std::memcpy(&word, x, 4);
-  return _mm512_set1_epi32(word);
-}
-
 // A decode batch of kR rows (2-8) against tiles [t0, t1), a tile at a time: each group is unpacked once for the
 // rows, their super-block sums stay in registers, and the bytes ahead are prefetched a share per group, as the
 // one-row loop does. Why: the batched loop below, which keeps the sums in L1 and was made for prompts, read a
@@ -474,10 +467,7 @@ void tile_pair_loop(const SuperBlockActivations& a, int64_t rows, int64_t k, con
   alignas(64) float acc[2][kRows * kQuantTile];
   alignas(64) float fsum[2][kRows * kQuantTile];
   const uint8_t* tile[2] = {packed + t * blocks * L.tile_bytes, packed + (t + 1) * blocks * L.tile_bytes};
-  for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
-    const int64_t count = std::min(kRows, rows - m0);
-    for (int h = 0; h < 2; ++h) TileOut512::zero(acc[h], count);
-    prefetch_outputs(y + m0 * n_out + t * kQuantTile, count, n_out);
+  walk_tile_pair<kRows>(rows, t, acc, y, n_out, bias, [&](int64_t m0, int64_t count) CHATAPP_INLINE {
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk[2] = {tile[0] + b * L.tile_bytes, tile[1] + b * L.tile_bytes};
       // kAheadBatched super-blocks on in tile h's stream, tiles t + h, t + h + 2, ...: past the tile's end, the next
@@ -555,12 +545,7 @@ void tile_pair_loop(const SuperBlockActivations& a, int64_t rows, int64_t k, con
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
-      const int64_t n0 = (t + h) * kQuantTile;
-      const TileOut512 out(std::min<int64_t>(kQuantTile, n_out - n0), bias ? bias + n0 : nullptr);
-      for (int64_t r = 0; r < count; ++r) out.store(acc[h] + r * kQuantTile, y + (m0 + r) * n_out + n0);
-    }
-  }
+  });
 }
 
 template <int64_t kKind>

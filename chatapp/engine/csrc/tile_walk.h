@@ -145,6 +145,45 @@ struct TileOut512 {
 };
 #endif
 
+#if defined(CHATAPP_HAVE_VNNI)
+// The 4 activation codes at x broadcast to all 16 lanes, in a register that several dots then share.
+CHATAPP_INLINE inline __m512i broadcast4(const int8_t* x) {
+  int32_t word;
+  std::memcpy(&word, x, 4);
+  return _mm512_set1_epi32(word);
+}
+
+// Asks for the cache lines a pass of the two-tile loops ends by writing: rows [0, count) of y (n_out apart), the
+// 32 outputs at y_pair. Why: those rows lie a row apart in an output too big for the caches, so each of the pass's
+// closing stores missed, and they came one after another (~5% of a 512-row linear's samples on its output stores).
+// Fetched for writing as the pass starts, they arrive while its dots run.
+inline void prefetch_outputs(float* y_pair, int64_t count, int64_t n_out) {
+  for (int64_t r = 0; r < count; ++r) {
+    __builtin_prefetch(y_pair + r * n_out, 1, 3);
+    __builtin_prefetch(y_pair + r * n_out + kQuantTile, 1, 3);
+  }
+}
+
+// The walk of the two-tile loops (block_quant.cpp and kquant.cpp, tile_pair_loop) over tiles t and t + 1 for every
+// row, kRows rows a pass: acc[h], tile t + h's float sums of the pass's rows, is zeroed, the output lines are
+// fetched, pass(m0, count) adds rows m0..m0+count-1's products into acc, then acc[h] + bias goes to y.
+template <int64_t kRows, class Pass>
+CHATAPP_INLINE inline void walk_tile_pair(int64_t rows, int64_t t, float (*acc)[kRows * kQuantTile], float* y,
+                                         int64_t n_out, const float* bias, Pass&& pass) {
+  for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+    const int64_t count = std::min(kRows, rows - m0);
+    for (int h = 0; h < 2; ++h) TileOut512::zero(acc[h], count);
+    prefetch_outputs(y + m0 * n_out + t * kQuantTile, count, n_out);
+    pass(m0, count);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n0 = (t + h) * kQuantTile;
+      const TileOut512 out(std::min<int64_t>(kQuantTile, n_out - n0), bias ? bias + n0 : nullptr);
+      for (int64_t r = 0; r < count; ++r) out.store(acc[h] + r * kQuantTile, y + (m0 + r) * n_out + n0);
+    }
+  }
+}
+#endif
+
 #if defined(CHATAPP_HAVE_AVX2)
 // AVX2: the sums zeroed 8 at a time, the valid channels stored one by one.
 struct TileOut256 {
@@ -159,17 +198,6 @@ struct TileOut256 {
   }
 };
 #endif
-
-// Asks for the cache lines a pass of the two-tile loops ends by writing: rows [0, count) of y (n_out apart), the
-// 32 outputs at y_pair. Why: those rows lie a row apart in an output too big for the caches, so each of the pass's
-// closing stores missed, and they came one after another (~5% of a 512-row linear's samples on its output stores).
-// Fetched for writing as the pass starts, they arrive while its dots run.
-inline void prefetch_outputs(float* y_pair, int64_t count, int64_t n_out) {
-  for (int64_t r = 0; r < count; ++r) {
-    __builtin_prefetch(y_pair + r * n_out, 1, 3);
-    __builtin_prefetch(y_pair + r * n_out + kQuantTile, 1, 3);
-  }
-}
 
 // fn(tile, n0, out) for output tiles [t0, t1): the tile's bytes (blocks of kBlockBytes), its first channel
 // and its Out.
