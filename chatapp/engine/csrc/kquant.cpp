@@ -406,7 +406,7 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
 // A decode batch of kR rows (2-8) against tiles [t0, t1), a tile at a time: each group is unpacked once for the
 // rows, their super-block sums stay in registers, and the bytes ahead are prefetched a share per group, as the
 // one-row loop does. Why: the batched loop below, which keeps the sums in L1 and was made for prompts, read a
-// 1B model's Q6_K output head at 15 GB/s for 2-8 rows where one row read it at 52 (and made 8-way decode of the
+// 1B model's Q6_K output head at 12-15 GB/s for 2-8 rows where one row read it at 52 (and made 8-way decode of the
 // 1B Q4_0 file spend 17% of its time there). The same integer sums and float steps in the same order: same bits.
 template <int64_t kKind, int kR>
 void tiles_rows_vnni(const SuperBlockActivations& a, int64_t k, const uint8_t* packed, int64_t t0, int64_t t1, float* y,
