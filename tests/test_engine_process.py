@@ -300,6 +300,37 @@ async def test_second_client_attaches_to_the_same_engine(client: AsyncEngineClie
     assert stat.S_IMODE((runtime / ipc.DISCOVERY_FILE).stat().st_mode) == 0o600
 
 
+async def test_calls_and_streams_racing_a_close_end_instead_of_waiting_forever(
+    client: AsyncEngineClient, tiny_model: Path
+) -> None:
+    """A call or stream begun at any moment of close() ends, with its answer or EngineDeadError.
+
+    (One sent while the bye was on its way, or while the receiver was being stopped, waited forever: the
+    TUI's status poll did so as the app quit, and the app never exited.)"""
+    second = await AsyncEngineClient.connect(EngineConfig(**engine_config(tiny_model)))
+    first_delta = asyncio.Event()
+
+    async def read_forever() -> None:
+        async for _ in second.generate("Count forever:", LONG):
+            first_delta.set()
+
+    late: list[asyncio.Task[Any]] = [asyncio.create_task(read_forever())]
+    await first_delta.wait()
+    closing = asyncio.create_task(second.close())
+    while not closing.done():  # one call and one stream begun at every turn of the loop until closed
+        late.append(asyncio.create_task(second.stats()))
+        late.append(asyncio.create_task(collect(second.generate("Hi", SamplingParams(max_tokens=4)))))
+        await asyncio.sleep(0)
+    assert len(late) > 5  # the close took several turns: calls did race it
+    _, pending = await asyncio.wait(late, timeout=30)  # a correctness deadline: a hang leaves them pending
+    assert not pending
+    for task in late:
+        error = task.exception()
+        assert error is None or isinstance(error, EngineDeadError), repr(error)
+    assert isinstance(late[0].exception(), EngineDeadError)  # the stream running when close began
+    assert idle(await wait_for_stats(client, idle_with_one_client, within=10))
+
+
 async def test_other_model_attaches_or_refuses_as_asked(client: AsyncEngineClient, tiny_llama: Path) -> None:
     other = EngineConfig(model=str(tiny_llama))
     with pytest.raises(EngineModelMismatchError, match="serves"):

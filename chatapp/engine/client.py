@@ -163,6 +163,9 @@ class AsyncEngineClient:
         self._next_call = 0
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        self._detaching = False
+        """Set from the moment a detach begins until the next hello: no call or stream may start then, since
+        nothing would be left to answer it (the receiver is stopped, the socket closed)."""
         self._tasks: list[asyncio.Task[None]] = []
         self._popen: subprocess.Popen[bytes] | None = None
         self._engine_proc: psutil.Process | None = None
@@ -339,6 +342,7 @@ class AsyncEngineClient:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         processor = handle.processor
+        self._require_connection()  # (after the awaits above: the connection may have gone meanwhile)
         stream = _Stream(processor)
         self._streams[request_id] = stream
         processor.add_request(request_id, text, token_ids, params)
@@ -473,6 +477,13 @@ class AsyncEngineClient:
             raise EngineDeadError("this engine client is closed")
         raise EngineBusyError(f"the engine is not ready ({self.state}: {self.state_detail}); retry shortly")
 
+    def _require_connection(self) -> None:
+        """A call or stream needs the receiver to answer it: refuse it once this client is detaching."""
+        if self._detaching or self._sock is None:
+            if self.state == EngineState.DEAD:
+                raise self._death or EngineDeadError("the engine died; restart it")
+            raise EngineDeadError("this engine client is closing or reconnecting; retry once it is ready")
+
     def _tokenize(
         self,
         prompt: str | list[int] | None,
@@ -530,6 +541,7 @@ class AsyncEngineClient:
     async def _call(self, make: Callable[[int], Any], invalid_param: str | None = None) -> Any:
         if self.state not in (EngineState.READY, EngineState.LOADING):
             self._require_ready()
+        self._require_connection()
         call_id = self._next_call
         self._next_call += 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -647,6 +659,7 @@ class AsyncEngineClient:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.connect(record.socket)
         self._sock = sock
+        self._detaching = False
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
         self._tasks = [
@@ -864,27 +877,37 @@ class AsyncEngineClient:
 
     async def _detach(self) -> None:
         """Say bye (when the engine is alive), fail what is pending, and reap an engine we spawned and left."""
+        self._detaching = True  # from here on a new call or stream is refused: nothing would answer it
         remaining = None
         if self._sock is not None and self.state in (EngineState.READY, EngineState.LOADING, EngineState.STARTING):
             self._bye = asyncio.get_running_loop().create_future()
             self._send(ipc.Bye())
             with contextlib.suppress(TimeoutError, EngineError):
                 remaining = (await asyncio.wait_for(asyncio.shield(self._bye), BYE_TIMEOUT_S)).remaining_clients
-        self._fail_pending(EngineDeadError("this engine client was closed"))
-        await self._teardown()
+        try:
+            await self._teardown()
+        finally:
+            # After the teardown, not before: a call sent while the bye was on its way has no receiver now.
+            self._fail_pending(EngineDeadError("this engine client was closed"))
+            self._streams.clear()
         if self._popen is not None and (remaining == 0 or self.state == EngineState.DEAD):
             await self._reap(self._popen)  # it is leaving (or gone): collect it so no zombie stays
         self._popen = None
 
     async def _teardown(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
-        self._close_socket()
-        self._streams.clear()
+        """Stop the receiver, watcher and heartbeat, then close the socket (even if this is cancelled)."""
+        tasks, self._tasks = self._tasks, []
+        try:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                # asyncio.wait, not awaiting each: a cancellation of the caller itself must not be swallowed.
+                await asyncio.wait(tasks)
+            for task in tasks:
+                if not task.cancelled():
+                    task.exception()  # retrieved (the receiver reports its own failures)
+        finally:
+            self._close_socket()
 
     def _close_socket(self) -> None:
         if self._sock is not None:
