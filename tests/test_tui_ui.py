@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 from textual.geometry import Offset
@@ -307,6 +308,32 @@ async def test_dead_engine_is_shown_and_restarted(tmp_path: Path) -> None:
         await wait_for(
             pilot, lambda: answered(pane) and pane.conversation.leaf.status == "complete", "answer after restart"
         )
+
+
+class SilentStatsClient(FakeClient):
+    """An engine that takes every status call and never answers it (a call lost as a connection closes)."""
+
+    async def stats(self) -> Any:
+        await asyncio.Event().wait()  # until cancelled
+
+
+async def test_an_engine_that_never_answers_its_status_call_neither_freezes_nor_keeps_the_app(
+    tmp_path: Path,
+) -> None:
+    """The status poll runs beside the app's message loop, never in it, and gives up after a while: before,
+    the first poll waited inside the loop, so the app stopped handling keys and could never exit."""
+    client = SilentStatsClient(reply="Still here.")
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 40)) as pilot:
+        bar = main_screen(app).query_one(StatusBar)
+        await wait_for(pilot, lambda: bar.engine.state == "ready", "ready without counters")
+        assert bar.engine.kv_used is None
+        pane = panes(app)[0]
+        await send(pilot, pane, "anyone?")
+        await wait_for(pilot, lambda: answered(pane), "answer")
+        assert pane.conversation.leaf.content == "Still here."
+        await app.action_quit()
+    assert app.return_code == 0
 
 
 async def test_keys_can_be_remapped_in_the_settings_file(tmp_path: Path) -> None:

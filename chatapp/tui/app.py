@@ -149,7 +149,7 @@ class ChatApp(App[None]):
         self.push_screen(MainScreen(self, self._load_sessions()))
         self._start_engine()
         self.set_interval(POLL_S, self._poll_engine)
-        self.call_after_refresh(self._poll_engine)
+        self.call_after_refresh(self._poll_soon)
         if self._ui_state.api_port_on:  # it was on when the app last quit
             self.action_toggle_server()
         if not self.is_headless:
@@ -307,7 +307,7 @@ class ChatApp(App[None]):
 
     def engine_died(self, reason: str) -> None:
         self.engine.mark_dead(reason)
-        self.call_later(self._poll_engine)
+        self._poll_soon()
 
     def local_model_name(self) -> str | None:
         info = loaded_model_info(self.engine.raw_client)
@@ -355,12 +355,18 @@ class ChatApp(App[None]):
                 severity="error",
                 timeout=15,
             )
-        self.call_later(self._poll_engine)
+        self._poll_soon()
 
     # -- status ---------------------------------------------------------------------------------
 
     def _main(self) -> MainScreen | None:
         return next((s for s in self.screen_stack if isinstance(s, MainScreen)), None)
+
+    @work(group="status-poll", exclusive=True, exit_on_error=False)
+    async def _poll_soon(self) -> None:
+        """Poll now, in a worker: the app's own message loop never waits on the engine (a poll left
+        waiting there once kept the app from ever exiting)."""
+        await self._poll_engine()
 
     async def _poll_engine(self) -> None:
         snapshot = await self.engine.snapshot()

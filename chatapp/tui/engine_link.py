@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Awaitable[EngineClient]]
 
+STATS_TIMEOUT_S = 5.0
+"""How long a status poll waits for the engine's counters; past it the bar shows none this time (an
+engine in a long step answers late, and a poll must never hang whoever awaits it)."""
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:
@@ -169,7 +173,9 @@ class LocalEngine:
             return self._last
         stats: EngineStats | None = None
         try:
-            stats = await client.stats() if self._state == "ready" else None
+            stats = await asyncio.wait_for(client.stats(), STATS_TIMEOUT_S) if self._state == "ready" else None
+        except TimeoutError:
+            stats = None
         except EngineDeadError as exc:
             self._fail(str(exc) or "the engine process died")
             self._last = EngineSnapshot("dead", model, device, detail=self._error)
