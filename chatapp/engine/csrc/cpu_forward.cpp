@@ -156,6 +156,15 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       const float* u = g + inter;
       float* o = op + r * inter;
       int64_t i = 0;
+      for (; i + 4 * kLanes <= inter; i += 4 * kLanes) {  // four vectors' exps in lockstep (vexp_n says why)
+        v16 e[4];
+        for (int j = 0; j < 4; ++j) e[j] = -load(g + i + j * kLanes);
+        vexp_n<4>(e);
+        for (int j = 0; j < 4; ++j) {
+          const v16 gv = load(g + i + j * kLanes);
+          store(o + i + j * kLanes, gv / (splat(1.f) + e[j]) * load(u + i + j * kLanes));
+        }
+      }
       for (; i + kLanes <= inter; i += kLanes) {
         const v16 gv = load(g + i);
         store(o + i, gv / (splat(1.f) + vexp(-gv)) * load(u + i));

@@ -113,11 +113,19 @@ void scores_keys_in_lanes(const T* kt, const int32_t* table, int64_t kv_head, co
         if (start + ahead * g.bs < num_keys)  // blocks sit anywhere: fetch the coming ones' keys early
           prefetch_lines(kt + ((static_cast<int64_t>(table[start / g.bs + ahead]) * g.Hkv + kv_head) * g.D) * g.bs,
                          g.D * g.bs, 1);
-      for (int64_t r = 0; r < nv; r += kRowGroup) {  // a fixed row count keeps accumulators in registers
+      for (int64_t r = 0, step; r < nv; r += step) {  // a fixed row count keeps accumulators in registers
         const float* q = qt + r;
         const int64_t* lr = last + r;
         float* sr = scores + r * stride;
-        switch (std::min<int64_t>(kRowGroup, nv - r)) {
+#if !defined(CHATAPP_VEC_AVX2)
+        if (nv - r >= 16) {  // a whole task of 16 rows: each load of 16 keys serves all of them
+          keys_chunk<16>(base, g, q, lr, start, scale, sr, stride);
+          step = 16;
+          continue;
+        }
+#endif
+        step = std::min<int64_t>(kRowGroup, nv - r);
+        switch (step) {
           case 1: keys_chunk<1>(base, g, q, lr, start, scale, sr, stride); break;
           case 2: keys_chunk<2>(base, g, q, lr, start, scale, sr, stride); break;
           case 3: keys_chunk<3>(base, g, q, lr, start, scale, sr, stride); break;
@@ -155,7 +163,17 @@ void softmax_row(float* s, int64_t n) {
   for (int l = 0; l < kLanes; ++l) m = std::max(m, vm[l]);
   for (int64_t p = n_vec; p < n; ++p) m = std::max(m, s[p]);
   v16 vsum = splat(0.f);
-  for (int64_t p = 0; p < n_vec; p += kLanes) {
+  int64_t p = 0;
+  for (; p + 4 * kLanes <= n_vec; p += 4 * kLanes) {  // four vectors' exps in lockstep (vexp_n says why)
+    v16 e[4];
+    for (int i = 0; i < 4; ++i) e[i] = load(s + p + i * kLanes) - splat(m);
+    vexp_n<4>(e);
+    for (int i = 0; i < 4; ++i) {
+      store(s + p + i * kLanes, e[i]);
+      vsum = vsum + e[i];  // in position order, as one at a time
+    }
+  }
+  for (; p < n_vec; p += kLanes) {
     const v16 e = vexp(load(s + p) - splat(m));
     store(s + p, e);
     vsum = vsum + e;
@@ -175,8 +193,7 @@ void softmax_row(float* s, int64_t n) {
   // length x 2^-64 of its largest value is dropped, far below float32's own rounding.
   const float total = hsum(vsum);
   const v16 inv = splat(1.f / total), least = splat(0x1p-64f * total);
-  int64_t p = 0;
-  for (; p < n_vec; p += kLanes) {
+  for (p = 0; p < n_vec; p += kLanes) {
     const v16 e = load(s + p);
     store(s + p, (e < least ? splat(0.f) : e) * inv);
   }

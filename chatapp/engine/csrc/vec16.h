@@ -48,27 +48,40 @@ inline float fmadd(float a, float b, float c) {
 inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 
-// exp on 16 lanes: Cody-Waite range reduction and a degree-6 polynomial (relative error ~1e-7);
-// inputs at or below -87 give ~0 (callers force masked entries to exactly 0).
+// exp on 16 lanes of each of kN vectors: Cody-Waite range reduction and a degree-6 polynomial (relative error
+// ~1e-7); inputs at or below -87 give ~0 (callers force masked entries to exactly 0). The kN vectors go through
+// each step in turn. Why: one vector's exp is a chain of ~30 dependent steps, and the out-of-order window held too
+// few of them to fill the pipes (a pass of exps over 512 floats on Zen 5: 5.8 ns per vector alone, 4.0 ns four in
+// lockstep). Every lane takes the same operations whatever kN: same bits.
+template <int kN>
+inline void vexp_n(v16* x) {
+  v16 n[kN], r[kN], p[kN];
+  for (int i = 0; i < kN; ++i) {
+    x[i] = x[i] < splat(-87.0f) ? splat(-87.0f) : x[i];
+    x[i] = x[i] > splat(88.0f) ? splat(88.0f) : x[i];
+  }
+  for (int i = 0; i < kN; ++i) n[i] = x[i] * splat(1.44269504088896341f);
+  for (int i = 0; i < kN; ++i)
+    n[i] = __builtin_convertvector(__builtin_convertvector(n[i] + (n[i] < 0 ? splat(-0.5f) : splat(0.5f)), i16v), v16);
+  for (int i = 0; i < kN; ++i) r[i] = x[i] - n[i] * splat(0.693359375f);
+  for (int i = 0; i < kN; ++i) r[i] = r[i] - n[i] * splat(-2.12194440e-4f);
+  for (int i = 0; i < kN; ++i) p[i] = splat(1.9875691500e-4f) * r[i] + splat(1.3981999507e-3f);
+  for (int i = 0; i < kN; ++i) p[i] = p[i] * r[i] + splat(8.3334519073e-3f);
+  for (int i = 0; i < kN; ++i) p[i] = p[i] * r[i] + splat(4.1665795894e-2f);
+  for (int i = 0; i < kN; ++i) p[i] = p[i] * r[i] + splat(1.6666665459e-1f);
+  for (int i = 0; i < kN; ++i) p[i] = p[i] * r[i] + splat(5.0000001201e-1f);
+  for (int i = 0; i < kN; ++i) p[i] = p[i] * r[i] * r[i] + r[i] + splat(1.0f);
+  for (int i = 0; i < kN; ++i) {
+    const i16v bits = (__builtin_convertvector(n[i], i16v) + 127) << 23;
+    v16 scale;
+    __builtin_memcpy(&scale, &bits, sizeof(scale));
+    x[i] = p[i] * scale;
+  }
+}
+
 inline v16 vexp(v16 x) {
-  const v16 lo = splat(-87.0f), hi = splat(88.0f);
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  v16 n = x * splat(1.44269504088896341f);
-  n = __builtin_convertvector(__builtin_convertvector(n + (n < 0 ? splat(-0.5f) : splat(0.5f)), i16v), v16);
-  v16 r = x - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
-  v16 scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  vexp_n<1>(&x);
+  return x;
 }
 
 // Horizontal sum with one fixed tree.
