@@ -11,9 +11,23 @@ import chatapp  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads (ch
 # isort: on
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test still running near its timeout has its asyncio tasks printed first (hang_report.py says why)."""
+    from tests import hang_report
+
+    done = hang_report.watch(item)
+    try:
+        yield
+    finally:
+        if done is not None:
+            done.set()
 
 
 @pytest.fixture(autouse=True, scope="session")
