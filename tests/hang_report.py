@@ -41,7 +41,8 @@ def print_tasks(test: str, file: TextIO | None = None) -> None:
     global reports
     out = file if file is not None else sys.stderr
     print(f"\n===== asyncio tasks of {test}, still running near its timeout =====", file=out)
-    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)]
+    # type(o), not isinstance: isinstance reads o.__class__, which some objects answer with a warning
+    loops = [o for o in gc.get_objects() if issubclass(type(o), asyncio.AbstractEventLoop)]
     for loop in loops:
         if loop.is_closed() or not loop.is_running():
             continue
