@@ -13,13 +13,14 @@ from textual.selection import Selection
 from textual.widgets import DataTable, Tabs
 
 from chatapp.history import HistoryStore
+from chatapp.tui.engine_link import LocalEngine
 from chatapp.tui.screens.help import HelpScreen
 from chatapp.tui.screens.models import ModelScreen
 from chatapp.tui.screens.sessions import SessionsScreen
 from chatapp.tui.widgets.markdown_text import MarkdownChunk, MarkdownText
 from chatapp.tui.widgets.message_view import MessageView
 from chatapp.tui.widgets.status_bar import StatusBar
-from tests.tui_fakes import FakeClient
+from tests.tui_fakes import FakeClient, factory
 from tests.tui_helpers import answered, drawn_text, main_screen, make_app, panes, send, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -334,6 +335,27 @@ async def test_an_engine_that_never_answers_its_status_call_neither_freezes_nor_
         assert pane.conversation.leaf.content == "Still here."
         await app.action_quit()
     assert app.return_code == 0
+
+
+async def test_a_status_poll_cancelled_as_its_counters_arrive_ends_cancelled() -> None:
+    """Cancelled at any turn of the loop, a poll ends cancelled. Python 3.11's wait_for dropped a cancellation
+    that came as the call ended: the status timer, stopped at quit, ran on, and the app never exited (CI)."""
+    engine = LocalEngine(factory(FakeClient()))
+    await engine.start()
+    assert (await engine.snapshot()).state == "ready"
+    dropped = []
+    for turns in range(8):  # the cancel lands on each step of the poll in turn
+        poll = asyncio.create_task(engine.snapshot())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        if not poll.cancel():
+            continue  # it had ended already
+        try:
+            await poll
+            dropped.append(turns)
+        except asyncio.CancelledError:
+            pass
+    assert dropped == []
 
 
 async def test_keys_can_be_remapped_in_the_settings_file(tmp_path: Path) -> None:

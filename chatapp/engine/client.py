@@ -669,7 +669,8 @@ class AsyncEngineClient:
         ]
         self._send(ipc.Hello(os.getpid(), wanted))
         try:
-            return await asyncio.wait_for(asyncio.shield(self._welcome), HELLO_TIMEOUT_S)
+            async with asyncio.timeout(HELLO_TIMEOUT_S):  # (not wait_for: it can drop a cancellation, see engine_link)
+                return await asyncio.shield(self._welcome)
         except TimeoutError:
             raise EngineDeadError(f"the engine (pid {record.pid}) does not answer; see {record.log_path}") from None
         except EngineDeadError:
@@ -883,7 +884,8 @@ class AsyncEngineClient:
             self._bye = asyncio.get_running_loop().create_future()
             self._send(ipc.Bye())
             with contextlib.suppress(TimeoutError, EngineError):
-                remaining = (await asyncio.wait_for(asyncio.shield(self._bye), BYE_TIMEOUT_S)).remaining_clients
+                async with asyncio.timeout(BYE_TIMEOUT_S):
+                    remaining = (await asyncio.shield(self._bye)).remaining_clients
         try:
             await self._teardown()
         finally:

@@ -173,7 +173,11 @@ class LocalEngine:
             return self._last
         stats: EngineStats | None = None
         try:
-            stats = await asyncio.wait_for(client.stats(), STATS_TIMEOUT_S) if self._state == "ready" else None
+            if self._state == "ready":
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that arrives as the
+                # call ends, and the app's status timer, stopped at quit, then ran on and the app never exited.
+                async with asyncio.timeout(STATS_TIMEOUT_S):
+                    stats = await client.stats()
         except TimeoutError:
             stats = None
         except EngineDeadError as exc:
