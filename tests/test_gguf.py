@@ -16,6 +16,7 @@ from chatapp.engine import LLM, SamplingParams, cpu_kernels
 from chatapp.engine.block_quant import K_KINDS, KIND_FOR_GGUF_TYPE, BlockQuantLinear, block_inputs, dequantize
 from chatapp.engine.models.config import UnsupportedModelError
 from chatapp.engine.models.gguf_file import GGUFError
+from tests.activation_reference import int8_activations
 from tests.gguf_blocks import BLOCK_TYPES, WIDENED_TYPES, random_blocks
 from tests.gguf_models import LlamaShape, write_llama_gguf
 
@@ -104,15 +105,10 @@ def test_a_packing_is_the_files_size_but_for_the_bytes_its_kind_needs(ext, type_
 
 
 def reference_product(x: torch.Tensor, weights: torch.Tensor, block: int) -> torch.Tensor:
-    """The kernels' defined arithmetic in float64: each row's activations rounded to int8 per block
-    (one float scale per ``block`` inputs, halves to even) times the exact weights. (Minimums of
-    blocks of 32 multiply the quantized activations' sum, so they fit this too.)"""
-    rows, k = x.shape
-    xb = x.view(rows, k // block, block)
-    amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
-    xq = ((xb * inv).round().clamp(-128, 127).double() * (amax / 127).double()).reshape(rows, k)
-    return xq @ weights.double().T
+    """The kernels' defined arithmetic in float64: each row's activations rounded to int8 as the kernels
+    round them (tests/activation_reference.py) times the exact weights. (Minimums of blocks of 32 multiply
+    the quantized activations' sum, so they fit this too.)"""
+    return int8_activations(x, block) @ weights.double().T
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)

@@ -10,7 +10,8 @@ Why lossless first: GGUF models already come quantized in blocks of 32. When
 every weight of a model is exactly a Q4_1 or Q8_0 block (the bundled SmolLM2:
 Q4_1 layers, a Q8_0 embedding), these formats hold the file's weights bit for
 bit, and only the activations are rounded, per row and block of 32 to int8, as
-llama.cpp does. ``quantization="auto"`` takes that path; elsewhere it keeps
+llama.cpp does (each block's scale the row's unit times a power of two:
+csrc/block_quant.cpp). ``quantization="auto"`` takes that path; elsewhere it keeps
 the calibrated int8 path, and ``quantization="int4"`` rounds any model to 4 bits.
 """
 
