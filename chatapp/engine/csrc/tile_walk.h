@@ -113,16 +113,16 @@ CHATAPP_INLINE inline void dots_side_by_side(const __m512i w[8], const int8_t* x
 }
 #endif
 
-// fn(std::integral_constant<int, G>{}, r0) for rows [0, count) in groups of G = kMax (8, 4 or 2; then 4, 2, 1
-// for the rest): the group size a compile-time constant, so a group's sums live in registers.
+// fn(std::integral_constant<int, G>{}, r0) for rows [0, count) in groups of G = kMax (2 to 8; then 4, 2, 1 for
+// the rest): the group size a compile-time constant, so a group's sums live in registers.
 template <int kMax = 8, class Fn>
 CHATAPP_INLINE inline void for_row_groups(int64_t count, Fn&& fn) {
-  static_assert(kMax == 8 || kMax == 4 || kMax == 2, "groups of 8, 4 or 2 rows");
+  static_assert(kMax >= 2 && kMax <= 8, "groups of 2 to 8 rows");
   int64_t r = 0;
   for (; r + kMax <= count; r += kMax) fn(std::integral_constant<int, kMax>{}, r);
-  if constexpr (kMax == 8)
+  if constexpr (kMax > 4)
     if (count - r >= 4) fn(std::integral_constant<int, 4>{}, r), r += 4;
-  if constexpr (kMax >= 4)
+  if constexpr (kMax > 2)
     if (count - r >= 2) fn(std::integral_constant<int, 2>{}, r), r += 2;
   if (r < count) fn(std::integral_constant<int, 1>{}, r);
 }
@@ -165,14 +165,16 @@ inline void prefetch_outputs(float* y_pair, int64_t count, int64_t n_out) {
 }
 
 // The walk of the two-tile loops (block_quant.cpp and kquant.cpp, tile_pair_loop) over tiles t and t + 1 for every
-// row, kRows rows a pass: acc[h], tile t + h's float sums of the pass's rows, is zeroed, the output lines are
-// fetched, pass(m0, count) adds rows m0..m0+count-1's products into acc, then acc[h] + bias goes to y.
-template <int64_t kRows, class Pass>
+// row, kRows rows a pass: acc[h], tile t + h's float sums of the pass's rows, is zeroed (unless kPassWritesFirst: the
+// pass's first block then writes the sums instead of adding to them), the output lines are fetched, pass(m0, count)
+// adds rows m0..m0+count-1's products into acc, then acc[h] + bias goes to y.
+template <int64_t kRows, bool kPassWritesFirst = false, class Pass>
 CHATAPP_INLINE inline void walk_tile_pair(int64_t rows, int64_t t, float (*acc)[kRows * kQuantTile], float* y,
                                          int64_t n_out, const float* bias, Pass&& pass) {
   for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
     const int64_t count = std::min(kRows, rows - m0);
-    for (int h = 0; h < 2; ++h) TileOut512::zero(acc[h], count);
+    if constexpr (!kPassWritesFirst)
+      for (int h = 0; h < 2; ++h) TileOut512::zero(acc[h], count);
     prefetch_outputs(y + m0 * n_out + t * kQuantTile, count, n_out);
     pass(m0, count);
     for (int h = 0; h < 2; ++h) {
