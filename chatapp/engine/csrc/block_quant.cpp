@@ -58,8 +58,8 @@ struct QuantizedActivations {
   std::vector<float> msum;    // [M, K / 32]: qsum << shift, the block's sum in the row's unit (for the minimums)
   std::vector<int32_t> qsum;  // [M, K / 32]: the sum of q over the block (undoes the codes' offset)
 
-  // The same again for the batched VNNI loop, in the order it reads them: block by block for `chunk` rows
-  // in turn. In the arrays above one block's values of successive rows sit a row apart, a stride the
+  // What the batched VNNI loops read instead of q (quantize_rows writes one or the other), in the order they read
+  // it: block by block for `chunk` rows in turn. In the arrays above one block's values of successive rows sit a row apart, a stride the
   // prefetchers miss (kquant.cpp measured it on its codes). Index: grouped(r, b) (codes: 32 from there).
   // chunk is kChunkRows, or the batch's rows when fewer: a decode batch's copy is then dense (8 rows, K 8192:
   // 64 KB) where a 64-row stride spread it over 512 KB, and its stores missed cache (~2% of an 8-way step).
@@ -86,23 +86,14 @@ struct QuantizedActivations {
 
   int64_t grouped(int64_t r, int64_t b, int64_t k) const { return (r / chunk * (k / kQuantBlock) + b) * chunk + r % chunk; }
 
-  // Fills q_by_block and by_block from the row-major arrays (rows > 1: one row needs no regrouping); offset:
-  // the weight kind's code offset (Grouped::start).
-  void group(int64_t rows, int64_t k, int32_t offset) {
+  // Sizes q_by_block and by_block for `rows` rows (more than 1: one row needs no regrouping) and sets chunk.
+  void size_groups(int64_t rows, int64_t k) {
     chunk = std::min(rows, kChunkRows);
     const int64_t blocks = k / kQuantBlock, padded = (rows + chunk - 1) / chunk * chunk;
     if (by_block.size() < static_cast<size_t>(padded * blocks)) {
       by_block.resize(padded * blocks);
       q_by_block.resize(padded * k);
     }
-    chatapp::parallel_for(0, rows, chatapp::row_grain(k), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t b = 0; b < blocks; ++b) {
-          const int64_t at = grouped(r, b, k), rb = r * blocks + b;
-          std::memcpy(q_by_block.data() + at * kQuantBlock, q.data() + r * k + b * kQuantBlock, kQuantBlock);
-          by_block[at] = Grouped{shift[rb], msum[rb], -offset * qsum[rb]};
-        }
-    });
   }
 };
 
@@ -133,7 +124,9 @@ void block_amax(const float* x, int64_t k, float* amax) {
 constexpr float kPow2[kMaxShift + 2] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f, 64.f, 128.f, 256.f, 512.f, 1024.f, 2048.f, 4096.f};
 
 // One row: its unit, and each block's codes, shift, code sum and msum (QuantizedActivations says what each is).
-void quantize_row(const float* x, int64_t k, int8_t* q, float& unit, int32_t* shift, float* msum, int32_t* qsum) {
+// q: where block 0's codes go, block b's q_stride bytes on (32 in the row-major copy, chunk x 32 in the grouped one).
+void quantize_row(const float* x, int64_t k, int8_t* q, int64_t q_stride, float& unit, int32_t* shift, float* msum,
+                  int32_t* qsum) {
   const int64_t blocks = k / kQuantBlock;
   block_amax(x, k, msum);  // msum holds the blocks' amax until each block's own is written
   float row_amax = 0.f;
@@ -142,7 +135,7 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float& unit, int32_t* sh
   unit = silent ? 0.f : row_amax / 127.f / kPow2[kMaxShift];
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kQuantBlock;
-    int8_t* qb = q + b * kQuantBlock;
+    int8_t* qb = q + b * q_stride;
     // e: the largest power of two (up to 2^kMaxShift) that keeps the block's amax within the row's
     int32_t e = 0;
     while (e < kMaxShift && msum[b] * kPow2[e + 1] <= row_amax) ++e;
@@ -172,17 +165,31 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float& unit, int32_t* sh
   }
 }
 
-// regroup: also fill the batched VNNI loop's copy (only that loop reads it), for codes offset by offset.
-void quantize_rows(const at::Tensor& x, QuantizedActivations& a, bool regroup, int32_t offset) {
+// grouped: write the batched VNNI loops' copy (q_by_block, by_block: the only arrays they read besides unit) instead
+// of the row-major codes, for codes offset by offset. Why straight there: a regrouping pass after quantizing copied
+// every code once more (~1.2% of a prompt's samples).
+void quantize_rows(const at::Tensor& x, QuantizedActivations& a, bool grouped, int32_t offset) {
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kQuantBlock;
   a.resize(rows, k);
+  grouped = grouped && rows > 1;
+  if (grouped) a.size_groups(rows, k);
   const float* xp = x.data_ptr<float>();
   chatapp::parallel_for(0, rows, chatapp::row_grain(k), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_row(xp + r * stride, k, a.q.data() + r * k, a.unit[r], a.shift.data() + r * blocks,
-                   a.msum.data() + r * blocks, a.qsum.data() + r * blocks);
+    for (int64_t r = begin; r < end; ++r) {
+      int32_t* shift = a.shift.data() + r * blocks;
+      float* msum = a.msum.data() + r * blocks;
+      int32_t* qsum = a.qsum.data() + r * blocks;
+      if (!grouped) {
+        quantize_row(xp + r * stride, k, a.q.data() + r * k, kQuantBlock, a.unit[r], shift, msum, qsum);
+        continue;
+      }
+      const int64_t first = a.grouped(r, 0, k);  // block b's entry is b x chunk on
+      quantize_row(xp + r * stride, k, a.q_by_block.data() + first * kQuantBlock, a.chunk * kQuantBlock, a.unit[r],
+                   shift, msum, qsum);
+      for (int64_t b = 0; b < blocks; ++b)
+        a.by_block[first + b * a.chunk] = QuantizedActivations::Grouped{shift[b], msum[b], -offset * qsum[b]};
+    }
   });
-  if (regroup && rows > 1) a.group(rows, k, offset);
 }
 
 // Where a kind's (tile, block) keeps what is not codes: 16 fp16 scales, then (Q4, Q5M) 16 fp16 minimums.
