@@ -705,12 +705,29 @@ print(json.dumps({"libtorch_cpu": "libtorch_cpu.so" in maps, "torch": "torch" in
     }
 
 
-async def test_the_engine_holds_numpys_openblas_to_one_thread_and_leaves_the_environment_alone(tmp_path: Path) -> None:
-    script = """
-import ctypes, glob, io, os, sys
+ENGINE_ENTRIES = {
+    # the engine process: no config comes, so main returns once the engine is imported
+    "process": """
+import io, sys
 from chatapp.engine import launch
-sys.stdin = io.TextIOWrapper(io.BytesIO(b""))  # no config comes: main returns once the engine is imported
+sys.stdin = io.TextIOWrapper(io.BytesIO(b""))
 assert launch.main(["--config-stdin", "--runtime-dir", sys.argv[1]]) == 0
+""",
+    # the offline API in a user's process
+    "LLM": """
+from chatapp.engine import LLM
+""",
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENGINE_ENTRIES))
+async def test_the_engine_holds_numpys_openblas_to_one_thread_and_leaves_the_environment_alone(
+    tmp_path: Path, entry: str
+) -> None:
+    script = (
+        ENGINE_ENTRIES[entry]
+        + """
+import ctypes, glob, os, sys
 import numpy
 assert "OPENBLAS_NUM_THREADS" not in os.environ  # a torch built with OpenBLAS keeps its threads
 libs = glob.glob(os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs", "*openblas*"))
@@ -718,6 +735,7 @@ lib = ctypes.CDLL(libs[0])
 names = ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads")
 print(next(getattr(lib, n)() for n in names if hasattr(lib, n)))
 """
+    )
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     done = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=60

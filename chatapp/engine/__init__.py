@@ -21,5 +21,9 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        if name == "LLM":  # the engine in this process: numpy's BLAS threads would spin against its workers
+            from chatapp.engine.blas_threads import import_numpy_with_one_blas_thread
+
+            import_numpy_with_one_blas_thread()
         return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'chatapp.engine' has no attribute {name!r}")

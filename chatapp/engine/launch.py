@@ -6,7 +6,7 @@ only after the weights had loaded; started here, in a process of its own, the bu
 core while this one imports the engine and loads the weights.
 A client may start this process before it knows the config (prestart.py): then the engine's imports
 come first and the config arrives on stdin. This module imports nothing heavy before handing over
-but numpy (see _numpy_with_one_blas_thread).
+but numpy (see blas_threads.py).
 """
 
 from __future__ import annotations
@@ -17,29 +17,12 @@ import os
 import sys
 import threading
 
-from chatapp.engine import prestart, startup_gc
-
-
-def _numpy_with_one_blas_thread() -> None:
-    """Import numpy with its OpenBLAS held to one thread, unless the user set a count.
-
-    numpy's OpenBLAS threads are not the engine's: our C++ kernels run on their own workers, and
-    OpenBLAS's spin between its calls, taking ~9% of a model load's two cores here. The setting is
-    taken away again once numpy has read it, so that a torch built with OpenBLAS (aarch64 wheels)
-    keeps its threads.
-    """
-    if "OPENBLAS_NUM_THREADS" in os.environ or "numpy" in sys.modules:
-        return
-    os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    try:
-        import numpy  # noqa: F401
-    finally:
-        del os.environ["OPENBLAS_NUM_THREADS"]
+from chatapp.engine import blas_threads, prestart, startup_gc
 
 
 def main(argv: list[str] | None = None) -> int:
     startup_gc.hold()  # released when the first model has loaded (process.py)
-    _numpy_with_one_blas_thread()
+    blas_threads.import_numpy_with_one_blas_thread()
     argv = sys.argv[1:] if argv is None else argv
     if prestart.CONFIG_FROM_STDIN in argv:  # started ahead of its client (prestart.py)
         return _run_prestarted([a for a in argv if a != prestart.CONFIG_FROM_STDIN])
