@@ -296,6 +296,59 @@ void tile_loop_rows(const QuantizedActivations& a, int64_t k, const uint8_t* pac
   for_each_tile<TileOut512, L.tile_bytes>(packed, blocks, t0, t1, n_out, bias, tile_rows);
 }
 
+// Output tiles [t0, t1) for one row (a decode step): the tile's 16 sums stay in a register across its blocks, and
+// 4-bit codes keep their high nibbles in place (16 x the code, still an unsigned byte: the inputs 16-31 dot is
+// shifted back once, exactly, as kquant.cpp's Q4_K one-row loop does). Why a loop of its own: inside the general
+// loop below, one row kept its sums in L1 and spilled a register of codes per block; its few extra instructions
+// a block cost ~5% of a 1B Q8_0 model's decode, which is limited by how far the core runs ahead of memory. The
+// float steps are the general loop's, in its order: same bits.
+template <int kKind>
+void tile_loop_one_row(const QuantizedActivations& a, int64_t k, const uint8_t* packed, int64_t t0, int64_t t1,
+                       float* y, int64_t n_out, const float* bias) {
+  constexpr BlockLayout L = block_layout(kKind);
+  constexpr int64_t kAhead = 24;
+  constexpr bool kHighInPlace = kKind == kKindQ4 || kKind == kKindQ4S;
+  const int64_t blocks = k / kQuantBlock;
+  const int8_t* xq = a.q.data();
+  const int32_t* shift = a.shift.data();
+  const float* msum = a.msum.data();
+  const int32_t* qsum = a.qsum.data();
+  const __m512 unit = _mm512_set1_ps(a.unit[0]);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  auto tile_row = [&](const uint8_t* tile, int64_t n0, const TileOut512& out) CHATAPP_INLINE {
+    __m512 f = _mm512_setzero_ps();
+    for_each_block<L.tile_bytes>(tile, blocks, kAhead, true, [&](const uint8_t* blk, int64_t b) CHATAPP_INLINE {
+      __m512i w[8];
+      if constexpr (kHighInPlace) {
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_loadu_si512(blk + 64 * j);
+          w[j] = _mm512_and_si512(v, low4);
+          w[j + 4] = _mm512_andnot_si512(low4, v);
+        }
+      } else {
+        unpack_block<kKind>(blk, w);
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.scale_offset)));
+      __m512 mins = _mm512_setzero_ps();
+      if constexpr (L.has_min)
+        mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.min_offset)));
+      const int8_t* x = xq + b * kQuantBlock;
+      // Two independent chains (inputs 0-15 and 16-31) halve the dot instructions' latency.
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        s0 = dot_broadcast4(s0, w[j], x + 4 * j);
+        s1 = dot_broadcast4(s1, w[4 + j], x + 16 + 4 * j);
+      }
+      if constexpr (kHighInPlace) s1 = _mm512_srai_epi32(s1, 4);
+      __m512i s = _mm512_add_epi32(s0, s1);
+      if constexpr (code_offset(kKind) != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(code_offset(kKind) * qsum[b]));
+      f = block_step<L.has_min>(s, shift[b], d, mins, msum[b], f);
+    });
+    out.store(_mm512_mul_ps(f, unit), y + n0);
+  };
+  for_each_tile<TileOut512, L.tile_bytes>(packed, blocks, t0, t1, n_out, bias, tile_row);
+}
+
 // Tiles t and t + 1 for every row (more than 8), 64 rows a pass, their float sums in L1. Each row's 4-byte words
 // of activations are broadcast into a register once and serve both tiles' dots. Why: the one-tile loop below
 // reads each word with its dot (a load per dot), and on Zen 5, where a dot, a multiply and a fused add share two
@@ -368,6 +421,7 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
   constexpr int64_t kRows = QuantizedActivations::kChunkRows;  // rows per pass: a chunk of by_block
   constexpr int64_t kAhead = 24;  // blocks of 32 inputs prefetched ahead into L2 (~8-14 KB; kquant.cpp says why)
   switch (rows) {
+    case 1: return tile_loop_one_row<kKind>(a, k, packed, t0, t1, y, n_out, bias);
     case 2: return tile_loop_rows<kKind, 2>(a, k, packed, t0, t1, y, n_out, bias);
     case 3: return tile_loop_rows<kKind, 3>(a, k, packed, t0, t1, y, n_out, bias);
     case 4: return tile_loop_rows<kKind, 4>(a, k, packed, t0, t1, y, n_out, bias);
@@ -377,50 +431,18 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
     case 8: return tile_loop_rows<kKind, 8>(a, k, packed, t0, t1, y, n_out, bias);
     default: break;
   }
-  if (rows > 1) {
-    for (; t0 + 1 < t1; t0 += 2) tile_pair_loop<kKind>(a, rows, k, packed, t0, y, n_out, bias);
-    if (t0 == t1) return;
-  }
+  for (; t0 + 1 < t1; t0 += 2) tile_pair_loop<kKind>(a, rows, k, packed, t0, y, n_out, bias);
+  if (t0 == t1) return;
+  // The last tile of an odd count, for every row.
   const int64_t blocks = k / kQuantBlock;
   alignas(64) float acc[kRows * kQuantTile];
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // One row of 4-bit codes: the high nibbles stay in place (16 x the code, still an unsigned byte) and the
-  // inputs 16-31 dot is shifted back once, exactly (kquant.cpp's Q4_K one-row loop does the same).
-  const bool high_in_place = (kKind == kKindQ4 || kKind == kKindQ4S) && rows == 1;
   auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
     __m512i w[8];
-    if (high_in_place) {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(blk + 64 * j);
-        w[j] = _mm512_and_si512(v, low4);
-        w[j + 4] = _mm512_andnot_si512(low4, v);
-      }
-    } else {
-      unpack_block<kKind>(blk, w);
-    }
+    unpack_block<kKind>(blk, w);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.scale_offset)));
     __m512 mins = _mm512_setzero_ps();
     if constexpr (L.has_min)
       mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L.min_offset)));
-    // One row (a decode step) from its codes xq, block scale, sum and code sum.
-    auto one_row = [&](const int8_t* xq, int32_t x_shift, float x_msum, int32_t x_qsum) CHATAPP_INLINE {
-      // Two independent chains (inputs 0-15 and 16-31) halve the dot instructions' latency.
-      __m512i s0 = dot_broadcast4(_mm512_setzero_si512(), w[0], xq);
-      __m512i s1 = dot_broadcast4(_mm512_setzero_si512(), w[4], xq + 16);
-      s0 = dot_broadcast4(s0, w[1], xq + 4);
-      s1 = dot_broadcast4(s1, w[5], xq + 20);
-      s0 = dot_broadcast4(s0, w[2], xq + 8);
-      s1 = dot_broadcast4(s1, w[6], xq + 24);
-      s0 = dot_broadcast4(s0, w[3], xq + 12);
-      s1 = dot_broadcast4(s1, w[7], xq + 28);
-      if (high_in_place) s1 = _mm512_srai_epi32(s1, 4);
-      __m512i s = _mm512_add_epi32(s0, s1);
-      if constexpr (code_offset(kKind) != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(code_offset(kKind) * x_qsum));
-      __m512 f = block_step<L.has_min>(s, x_shift, d, mins, x_msum, _mm512_load_ps(acc));
-      if (b == blocks - 1) f = _mm512_mul_ps(f, _mm512_set1_ps(a.unit[0]));
-      _mm512_store_ps(acc, f);
-    };
-    if (rows == 1) return one_row(a.q.data() + b * kQuantBlock, a.shift[b], a.msum[b], a.qsum[b]);
     // Many rows: 8 at a time (block_sums), each finished into its sums in L1.
     const int64_t first = a.grouped(m0, b, k);  // rows m0.. follow it
     const QuantizedActivations::Grouped* gx = a.by_block.data() + first;
