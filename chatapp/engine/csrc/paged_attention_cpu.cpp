@@ -354,8 +354,8 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
 
   // Tasks are claimed a few at a time from a shared counter (see worker_pool.h), each computed whole, the last
   // first: in a prompt a task's rows attend more keys the later they sit, so the walk ends on the lightest tasks
-  // and the threads finish together. Claims are small (a quarter of each thread's share, in order, left one
-  // thread on the heaviest eighth of a 512-token prompt's attention while the other waited).
+  // and the threads finish together. A claim is 1/32 of a thread's share: claims of a quarter, taken in order,
+  // had left one thread on the heaviest eighth of a 512-token prompt's attention while the other waited.
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   std::reverse(tasks.begin(), tasks.end());
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tasks);
