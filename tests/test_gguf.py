@@ -203,6 +203,33 @@ def test_threads_sharing_a_linear_compute_every_tile_once(ext, type_name: str) -
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_prompts_big_output_written_past_the_caches_keeps_every_bit(ext, type_name: str) -> None:
+    """A prompt-sized output (1 MiB or more: tile_walk.h's streaming_outputs) is written with non-temporal
+    stores, a smaller one with ordinary stores: every row must come out the same either way, with its bias,
+    on one thread or two, and equal the float64 product of the file's weights."""
+    rng = np.random.default_rng(13)
+    n, k, rows = 1024, 256, 300  # 300 x 1024 floats: 1.2 MB, streamed; 60 rows: 240 KB, not
+    raw = random_blocks(type_name, n, k, rng)
+    packed, kind = repack(ext, raw, type_name, k)
+    weights = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[type_name]))
+    torch.manual_seed(2)
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ext.block_linear(x, packed, kind, n, bias)
+        torch.set_num_threads(2)
+        big = ext.block_linear(x, packed, kind, n, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(big, alone)
+    in_pieces = torch.cat([ext.block_linear(x[i : i + 60], packed, kind, n, bias) for i in range(0, rows, 60)])
+    assert torch.equal(big, in_pieces)
+    expected = reference_product(x, weights, block_inputs(kind)) + bias.double()
+    assert torch.allclose(big.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
+
+
 FLOAT_ROWS = {"F16": 1, "BF16": 2}
 
 
