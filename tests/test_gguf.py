@@ -230,6 +230,32 @@ def test_a_prompts_big_output_written_past_the_caches_keeps_every_bit(ext, type_
     assert torch.allclose(big.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_the_fused_swiglu_projection_has_the_bits_of_silu_then_the_linear(ext, type_name: str) -> None:
+    """The MLP's down projection of a kind of blocks of 32 computes silu(gate) * up row by row as it quantizes
+    (block_linear_swiglu): every row, on every loop and at every batch size, equals silu_and_mul then
+    block_linear bit for bit. The K kinds, which quantize in their own loops, are refused by name."""
+    rng = np.random.default_rng(17)
+    n, k = 96, 320  # 320: the SwiGLU row's last vectors go one at a time (not four in lockstep)
+    raw = random_blocks(type_name, n, k, rng)
+    packed, kind = repack(ext, raw, type_name, k)
+    torch.manual_seed(4)
+    gate_up = torch.randn(70, 2 * k) * 3
+    bias = torch.randn(n)
+    for path in ext.block_quant_paths():
+        for rows in (1, 3, 9, 70):  # one row, registers-only batches, and the 64-row passes
+            x = gate_up[:rows]
+            fused = ext.block_linear_swiglu(x, packed, kind, n, bias, path=path)
+            assert torch.equal(fused, ext.block_linear(ext.silu_and_mul(x), packed, kind, n, bias, path=path)), (
+                path,
+                rows,
+            )
+    k_raw = random_blocks("Q4_K", n, 256, rng)
+    k_packed, k_kind = repack(ext, k_raw, "Q4_K", 256)
+    with pytest.raises(RuntimeError, match="blocks of 32"):
+        ext.block_linear_swiglu(torch.randn(2, 512), k_packed, k_kind, n)
+
+
 FLOAT_ROWS = {"F16": 1, "BF16": 2}
 
 

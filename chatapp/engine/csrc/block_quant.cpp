@@ -39,6 +39,7 @@
 #include "avx2_dot.h"
 #include "iq4_values.h"
 #include "tile_walk.h"
+#include "vec16.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -168,28 +169,40 @@ void quantize_row(const float* x, int64_t k, int8_t* q, int64_t q_stride, float&
 // grouped: write the batched VNNI loops' copy (q_by_block, by_block: the only arrays they read besides unit) instead
 // of the row-major codes, for codes offset by offset. Why straight there: a regrouping pass after quantizing copied
 // every code once more (~1.2% of a prompt's samples).
-void quantize_rows(const at::Tensor& x, QuantizedActivations& a, bool grouped, int32_t offset) {
-  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kQuantBlock;
+// Rows [0, rows) of k inputs, row r's floats at row_at(r, scratch): a pointer into the caller's tensor, or into
+// scratch (the calling thread's own vector) for a source that computes its rows as they are quantized.
+template <class RowAt>
+void quantize_rows_from(int64_t rows, int64_t k, RowAt&& row_at, QuantizedActivations& a, bool grouped,
+                        int32_t offset) {
+  const int64_t blocks = k / kQuantBlock;
   a.resize(rows, k);
   grouped = grouped && rows > 1;
   if (grouped) a.size_groups(rows, k);
-  const float* xp = x.data_ptr<float>();
   chatapp::parallel_for(0, rows, chatapp::row_grain(k), [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
     for (int64_t r = begin; r < end; ++r) {
+      const float* x = row_at(r, scratch);
       int32_t* shift = a.shift.data() + r * blocks;
       float* msum = a.msum.data() + r * blocks;
       int32_t* qsum = a.qsum.data() + r * blocks;
       if (!grouped) {
-        quantize_row(xp + r * stride, k, a.q.data() + r * k, kQuantBlock, a.unit[r], shift, msum, qsum);
+        quantize_row(x, k, a.q.data() + r * k, kQuantBlock, a.unit[r], shift, msum, qsum);
         continue;
       }
       const int64_t first = a.grouped(r, 0, k);  // block b's entry is b x chunk on
-      quantize_row(xp + r * stride, k, a.q_by_block.data() + first * kQuantBlock, a.chunk * kQuantBlock, a.unit[r],
-                   shift, msum, qsum);
+      quantize_row(x, k, a.q_by_block.data() + first * kQuantBlock, a.chunk * kQuantBlock, a.unit[r], shift, msum,
+                   qsum);
       for (int64_t b = 0; b < blocks; ++b)
         a.by_block[first + b * a.chunk] = QuantizedActivations::Grouped{shift[b], msum[b], -offset * qsum[b]};
     }
   });
+}
+
+void quantize_rows(const at::Tensor& x, QuantizedActivations& a, bool grouped, int32_t offset) {
+  const float* xp = x.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  quantize_rows_from(x.size(0), x.size(1), [&](int64_t r, std::vector<float>&) { return xp + r * stride; }, a,
+                     grouped, offset);
 }
 
 // Where a kind's (tile, block) keeps what is not codes: 16 fp16 scales, then (Q4, Q5M) 16 fp16 minimums.
@@ -617,33 +630,30 @@ int64_t kind_tile_bytes(int64_t kind) {
 
 int64_t kind_block_inputs(int64_t kind) { return kind >= kKindQ4K ? kSuperBlock : kQuantBlock; }
 
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
-                        const std::optional<at::Tensor>& bias, const std::string& path_name) {
-  const KernelPath path = kernel_path(path_name);
-  if (is_float_rows_kind(kind)) return float_rows_linear(x, packed, kind, out_features, bias, path);
+namespace {
+
+// Checks that packed holds a linear of kind `kind` over k inputs and out_features outputs, and that x is float32
+// rows with unit stride (x_shape: what the error says x must be).
+void check_packing(const at::Tensor& x, int64_t k, const at::Tensor& packed, int64_t kind, int64_t out_features,
+                   const char* x_shape) {
   const int64_t tile_bytes = kind_tile_bytes(kind), block = kind_block_inputs(kind);
   TORCH_CHECK(tile_bytes > 0, "unknown packed weight kind ", kind);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, x_shape);
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.dim() == 3,
               "packed must be contiguous uint8 [tiles, blocks, bytes]");
-  const int64_t rows = x.size(0), k = x.size(1), tiles = packed.size(0);
   TORCH_CHECK(k % block == 0 && packed.size(1) == k / block, "in_features must match the packing");
   TORCH_CHECK(packed.size(2) == tile_bytes, "packed tile size does not match its kind");
-  TORCH_CHECK(tiles * kQuantTile >= out_features, "packing has too few output channels");
+  TORCH_CHECK(packed.size(0) * kQuantTile >= out_features, "packing has too few output channels");
+}
+
+// y = the quantized rows a times a block kind's packed weights (+ bias): the tiles shared out between the threads.
+void block_tiles(const QuantizedActivations& a, int64_t rows, int64_t k, const at::Tensor& packed, int64_t kind,
+                 int64_t out_features, const std::optional<at::Tensor>& bias, KernelPath path, at::Tensor& y) {
   at::Tensor bias_c = bias && bias->defined() ? bias->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return y;
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const float* bp = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
-  if (kind >= kKindQ4K) {
-    kquant_linear(x, pp, tiles, kind, out_features, bp, yp, path);
-    return y;
-  }
-  static thread_local QuantizedActivations acts;
-  quantize_rows(x, acts, path == kPathVnni, code_offset(static_cast<int>(kind)));
-  const QuantizedActivations& a = acts;
-  for_tiles_balanced(tiles, [&](int64_t t0, int64_t t1) {
+  for_tiles_balanced(packed.size(0), [&](int64_t t0, int64_t t1) {
     on_path(path, [&](auto loop) {
       if (kind == kKindQ4) tile_loop<kKindQ4>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
       else if (kind == kKindQ4S) tile_loop<kKindQ4S>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
@@ -653,5 +663,50 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
       else tile_loop<kKindQ8>(loop, a, rows, k, pp, t0, t1, yp, out_features, bp);
     });
   });
+}
+
+thread_local QuantizedActivations acts;  // the calling thread's, reused from call to call
+
+}  // namespace
+
+bool is_block_kind(int64_t kind) { return kind_tile_bytes(kind) > 0 && kind < kKindQ4K && !is_float_rows_kind(kind); }
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
+                        const std::optional<at::Tensor>& bias, const std::string& path_name) {
+  const KernelPath path = kernel_path(path_name);
+  if (is_float_rows_kind(kind)) return float_rows_linear(x, packed, kind, out_features, bias, path);
+  check_packing(x, x.dim() == 2 ? x.size(1) : 0, packed, kind, out_features, "x must be [M, K] float32 rows");
+  const int64_t rows = x.size(0), k = x.size(1);
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return y;
+  if (kind >= kKindQ4K) {
+    at::Tensor bias_c = bias && bias->defined() ? bias->contiguous() : at::Tensor();
+    kquant_linear(x, packed.data_ptr<uint8_t>(), packed.size(0), kind, out_features,
+                  bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(), path);
+    return y;
+  }
+  quantize_rows(x, acts, path == kPathVnni, code_offset(static_cast<int>(kind)));
+  block_tiles(acts, rows, k, packed, kind, out_features, bias, path, y);
+  return y;
+}
+
+at::Tensor block_linear_swiglu(const at::Tensor& gate_up, const at::Tensor& packed, int64_t kind,
+                               int64_t out_features, const std::optional<at::Tensor>& bias,
+                               const std::string& path_name) {
+  const KernelPath path = kernel_path(path_name);
+  TORCH_CHECK(is_block_kind(kind), "the fused SwiGLU projection takes a kind of blocks of 32, not kind ", kind);
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [M, 2 K]");
+  const int64_t rows = gate_up.size(0), k = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  check_packing(gate_up, k, packed, kind, out_features, "gate_up must be [M, 2 K] float32 rows");
+  at::Tensor y = at::empty({rows, out_features}, gate_up.options());
+  if (rows == 0) return y;
+  const float* gp = gate_up.data_ptr<float>();
+  auto swiglu_row = [&](int64_t r, std::vector<float>& scratch) {
+    scratch.resize(k);
+    silu_mul_row(gp + r * stride, gp + r * stride + k, scratch.data(), k);
+    return static_cast<const float*>(scratch.data());
+  };
+  quantize_rows_from(rows, k, swiglu_row, acts, path == kPathVnni, code_offset(static_cast<int>(kind)));
+  block_tiles(acts, rows, k, packed, kind, out_features, bias, path, y);
   return y;
 }

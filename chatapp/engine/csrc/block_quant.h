@@ -56,6 +56,17 @@ std::vector<std::string> block_quant_paths();
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t out_features,
                         const std::optional<at::Tensor>& bias, const std::string& path = "best");
 
+// True for the kinds of blocks of 32 inputs (block_quant.cpp's loops), false for the K and float rows kinds.
+bool is_block_kind(int64_t kind);
+
+// block_linear of silu(gate) * up (cpu_forward.cpp's silu_and_mul) for gate_up [M, 2 K] = [gate | up], a kind of
+// blocks of 32 (is_block_kind): the same bits, each row's product computed into a scratch row as the activations
+// are quantized. Why: a prompt's product never goes to memory to be read back (512 rows x 5632 of a 1B model: 11.5
+// MB written and read again a layer).
+at::Tensor block_linear_swiglu(const at::Tensor& gate_up, const at::Tensor& packed, int64_t kind,
+                               int64_t out_features, const std::optional<at::Tensor>& bias,
+                               const std::string& path = "best");
+
 // The float rows kinds' kernel (float_rows.cpp), called by block_linear: rows uint8 [N, 2 K].
 bool is_float_rows_kind(int64_t kind);
 at::Tensor float_rows_linear(const at::Tensor& x, const at::Tensor& rows, int64_t kind, int64_t out_features,

@@ -151,30 +151,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   chatapp::parallel_for(0, rows, chatapp::row_grain(inter), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * stride;
-      const float* u = g + inter;
-      float* o = op + r * inter;
-      int64_t i = 0;
-      for (; i + 4 * kLanes <= inter; i += 4 * kLanes) {  // four vectors' exps in lockstep (vexp_n says why)
-        v16 e[4];
-        for (int j = 0; j < 4; ++j) e[j] = -load(g + i + j * kLanes);
-        vexp_n<4>(e);
-        for (int j = 0; j < 4; ++j) {
-          const v16 gv = load(g + i + j * kLanes);
-          store(o + i + j * kLanes, gv / (splat(1.f) + e[j]) * load(u + i + j * kLanes));
-        }
-      }
-      for (; i + kLanes <= inter; i += kLanes) {
-        const v16 gv = load(g + i);
-        store(o + i, gv / (splat(1.f) + vexp(-gv)) * load(u + i));
-      }
-      for (; i < inter; ++i) {
-        float tail[kLanes] = {0.f};
-        tail[0] = -g[i];
-        o[i] = g[i] / (1.f + vexp(load(tail))[0]) * u[i];
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * stride, gp + r * stride + inter, op + r * inter, inter);
   });
   return out;
 }
@@ -206,6 +183,13 @@ struct Linear {
   std::vector<int64_t> outliers;                       // input channels kept in float (int8 only)
   std::vector<at::Tensor> outlier_rows;                // their weight columns, [N] each
   std::shared_ptr<AnchorBuffer> buffer;
+
+  // this(silu_and_mul(gate_up)), the two fused for a kind of blocks of 32 (block_linear_swiglu says why).
+  at::Tensor after_swiglu(const at::Tensor& gate_up) const {
+    if (parts.size() == 1 && is_block_kind(part_kinds[0]))
+      return block_linear_swiglu(gate_up, parts[0], part_kinds[0], part_outs[0], bias);
+    return (*this)(silu_and_mul(gate_up));
+  }
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (parts.size() == 1) return block_linear(x, parts[0], part_kinds[0], part_outs[0], bias);
@@ -426,7 +410,7 @@ class CpuModel {
       if (L.attn_out_norm.defined()) o = add_rms_norm(o, at::Tensor(), L.attn_out_norm, eps_);
       at::Tensor mlp_in = add_rms_norm(x, o, L.mlp_in_norm, eps_);
       at::Tensor gate_up = L.gate_up(mlp_in);
-      pending = L.down(gelu_ ? gelu_and_mul(gate_up) : silu_and_mul(gate_up));
+      pending = gelu_ ? L.down(gelu_and_mul(gate_up)) : L.down.after_swiglu(gate_up);
       if (L.mlp_out_norm.defined()) pending = add_rms_norm(pending, at::Tensor(), L.mlp_out_norm, eps_);
     }
     return add_rms_norm(x, pending, final_norm_, eps_);
@@ -465,6 +449,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &block_linear, "x @ W^T with W in a packed block-quantized kind (CPU, float32)",
         py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("path") = "best");
+  m.def("block_linear_swiglu", &block_linear_swiglu,
+        "block_linear of silu(gate) * up for gate_up = [gate | up], a kind of blocks of 32 (the same bits, fused)",
+        py::arg("gate_up"), py::arg("packed"), py::arg("kind"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("path") = "best");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for gate_up = [gate | up] (float32 rows)", py::arg("gate_up"));
   m.def("repack_gguf", &repack_gguf, "GGUF tensor rows -> (packed, kind), every weight exact", py::arg("raw"),
         py::arg("ggml_type"), py::arg("k"), py::arg("row_order") = py::none(), py::arg("out") = py::none());
   m.def("block_quant_fast", &block_quant_fast, "whether a vector block kernel (AVX-512 VNNI or AVX2) was compiled in");

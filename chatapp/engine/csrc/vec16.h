@@ -84,6 +84,32 @@ inline v16 vexp(v16 x) {
   return x;
 }
 
+// o[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] for i < n: SwiGLU's product, one row. Every element takes
+// the same vector operations wherever it sits (the tail goes through the vector code, zero-padded), so a row has
+// the same bits whichever caller computes it (cpu_forward.cpp's silu_and_mul, or block_quant.cpp's fused down
+// projection).
+inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= n; i += 4 * kLanes) {  // four vectors' exps in lockstep (vexp_n says why)
+    v16 e[4];
+    for (int j = 0; j < 4; ++j) e[j] = -load(g + i + j * kLanes);
+    vexp_n<4>(e);
+    for (int j = 0; j < 4; ++j) {
+      const v16 gv = load(g + i + j * kLanes);
+      store(o + i + j * kLanes, gv / (splat(1.f) + e[j]) * load(u + i + j * kLanes));
+    }
+  }
+  for (; i + kLanes <= n; i += kLanes) {
+    const v16 gv = load(g + i);
+    store(o + i, gv / (splat(1.f) + vexp(-gv)) * load(u + i));
+  }
+  for (; i < n; ++i) {
+    float tail[kLanes] = {0.f};
+    tail[0] = -g[i];
+    o[i] = g[i] / (1.f + vexp(load(tail))[0]) * u[i];
+  }
+}
+
 // Horizontal sum with one fixed tree.
 inline float hsum(v16 acc) {
   v16 h = acc + __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
