@@ -230,6 +230,38 @@ def test_a_prompts_big_output_written_past_the_caches_keeps_every_bit(ext, type_
     assert torch.allclose(big.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
 
+_POOL_PROBE = """
+import json, resource
+import numpy as np, torch
+from gguf import GGMLQuantizationType, quants
+from chatapp.engine import cpu_kernels
+ext = cpu_kernels.load()
+n, k = 1024, 256
+raw = quants.quantize(np.random.default_rng(0).standard_normal((n, k)).astype(np.float32), GGMLQuantizationType.Q8_0)
+packed, kind = ext.repack_gguf(torch.from_numpy(raw), int(GGMLQuantizationType.Q8_0), k)
+x = torch.randn(600, k)  # outputs of 600 x 1024 floats: 2.4 MB, 600 pages
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y = ext.block_linear(x, packed, kind, n)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del y
+print(json.dumps(faults))
+"""
+
+
+def test_a_big_output_reuses_the_memory_the_last_one_freed() -> None:
+    """A prompt's activations (1 MiB or more) come from a pool of freed blocks (csrc/activation_pool.h): the second
+    output of a size maps no new pages. glibc alone gave the second and fourth 600 new pages each (a fresh mmap or
+    heap grown anew, as freed big blocks go back to the kernel). In a process of its own: glibc's state in this
+    one depends on the tests before."""
+    probe = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    faults = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert faults[0] >= 600, faults  # the first output maps its pages in
+    assert max(faults[1:]) < 60, faults  # the later ones reuse them
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_the_fused_swiglu_projection_has_the_bits_of_silu_then_the_linear(ext, type_name: str) -> None:
     """The MLP's down projection of a kind of blocks of 32 computes silu(gate) * up row by row as it quantizes

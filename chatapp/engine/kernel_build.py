@@ -29,6 +29,7 @@ SOURCES = (
     "float_rows.cpp",
     "gguf_repack.cpp",
     "cpu_forward.cpp",
+    "activation_pool.cpp",
 )
 # -march=native: the machine's own vector units (AVX-512 VNNI where it has them); the key below
 # holds the CPU's flags, so a build never runs on a CPU it was not made for.

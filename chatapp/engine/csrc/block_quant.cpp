@@ -36,6 +36,7 @@
 // register of them into the values + 128). chatapp/engine/block_quant.py writes Q4 and Q8 from floats;
 // gguf_repack.cpp writes every kind from a GGUF file's blocks.
 #include "block_quant.h"
+#include "activation_pool.h"
 #include "avx2_dot.h"
 #include "iq4_values.h"
 #include "tile_walk.h"
@@ -677,7 +678,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
   if (is_float_rows_kind(kind)) return float_rows_linear(x, packed, kind, out_features, bias, path);
   check_packing(x, x.dim() == 2 ? x.size(1) : 0, packed, kind, out_features, "x must be [M, K] float32 rows");
   const int64_t rows = x.size(0), k = x.size(1);
-  at::Tensor y = at::empty({rows, out_features}, x.options());
+  at::Tensor y = pooled_empty({rows, out_features}, x.options());
   if (rows == 0) return y;
   if (kind >= kKindQ4K) {
     at::Tensor bias_c = bias && bias->defined() ? bias->contiguous() : at::Tensor();
@@ -698,7 +699,7 @@ at::Tensor block_linear_swiglu(const at::Tensor& gate_up, const at::Tensor& pack
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [M, 2 K]");
   const int64_t rows = gate_up.size(0), k = gate_up.size(1) / 2, stride = gate_up.stride(0);
   check_packing(gate_up, k, packed, kind, out_features, "gate_up must be [M, 2 K] float32 rows");
-  at::Tensor y = at::empty({rows, out_features}, gate_up.options());
+  at::Tensor y = pooled_empty({rows, out_features}, gate_up.options());
   if (rows == 0) return y;
   const float* gp = gate_up.data_ptr<float>();
   auto swiglu_row = [&](int64_t r, std::vector<float>& scratch) {

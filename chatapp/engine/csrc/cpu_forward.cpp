@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "activation_pool.h"
 #include "block_quant.h"
 #include "worker_pool.h"
 #include "paged_attention_cpu.h"
@@ -40,7 +41,7 @@ void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float e
 // x += y (the residual), then out = rms_norm(x); y may be undefined (no residual to add).
 at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& y, const at::Tensor& w, float eps) {
   const int64_t rows = x.size(0), n = x.size(1);
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = pooled_empty(x.sizes(), x.options());
   float* xp = x.data_ptr<float>();
   const float* yp = y.defined() ? y.data_ptr<float>() : nullptr;
   const int64_t y_stride = y.defined() ? y.stride(0) : 0;
@@ -147,7 +148,7 @@ at::Tensor gelu_and_mul(const at::Tensor& gate_up) {
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  at::Tensor out = pooled_empty({rows, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   chatapp::parallel_for(0, rows, chatapp::row_grain(inter), [&](int64_t begin, int64_t end) {

@@ -19,6 +19,7 @@
 // decode). Half values are widened exactly on load, so the arithmetic above is the same either way;
 // only what was stored was rounded once.
 #include "paged_attention_cpu.h"
+#include "activation_pool.h"
 
 #include <ATen/Parallel.h>
 
@@ -345,7 +346,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_cache_t, torch::Tensor v_c
       for (int64_t v = 0; v < q_len * g.G; v += kLanes)
         tasks.push_back({b, kvh, v, std::min<int64_t>(kLanes, q_len * g.G - v)});
   }
-  auto out = torch::empty_like(q);
+  at::Tensor out = pooled_empty(q.sizes(), q.options());
   const float* qp = q.data_ptr<float>();
   const T* ktp = k_cache_t.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
