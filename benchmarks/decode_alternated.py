@@ -17,9 +17,9 @@ pp512 (prompt processing). Ours: a 512-token prompt (random token ids, none cach
 token, the mean of two after a warm-up prompt of 512. Theirs: `llama-bench -p 512 -n 0 -r 2`, which
 likewise warms up with one 512-token run and reports the mean of two (llama.cpp `-fa 1`, ik_llama.cpp
 `-fa 1 -rtr 1`, their best flags for prompts here). Why the same warm-up: a process's first long prompt
-also maps in the memory its activations take (glibc hands big blocks out fresh, and a page fault costs
-~1.5 us on this VM): a 1B Q8_0 model's first 512-token prompt took 20-60 thousand page faults and ran
-~5% slower than the next ones (~3 thousand). llama-bench's warm-up run does the same for it.
+also maps in the memory its activations take (a page fault costs ~1.5 us on this VM): a 1B Q8_0 model's
+first 512-token prompt took ~18 thousand page faults, the next ones ~3 thousand (csrc/activation_pool.h).
+llama-bench's warm-up run does the same for it.
 batched8 (8-way decode). Ours: 8 requests of 64 new prompt tokens and 128 new tokens each, at once,
 tok/s generated after the last first token, the better of two. Theirs: `llama-batched-bench -npp 64
 -ntg 128 -npl 8`'s S_TG (llama.cpp `-fa on`, ik_llama.cpp `-fa on -rtr`), from `LLAMA_BATCHED_BENCH` and
