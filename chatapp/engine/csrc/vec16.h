@@ -85,7 +85,7 @@ inline v16 vexp(v16 x) {
 }
 
 // o[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] for i < n: SwiGLU's product, one row. Every element takes
-// the same vector operations wherever it sits (the tail goes through the vector code, zero-padded), so a row has
+// the same operations wherever it sits (the tail's exps through the vector code, zero-padded), so a row has
 // the same bits whichever caller computes it (cpu_forward.cpp's silu_and_mul, or block_quant.cpp's fused down
 // projection).
 inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
