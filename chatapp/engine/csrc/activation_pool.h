@@ -5,7 +5,7 @@
 // Why: glibc hands a block of more than its mmap threshold out as fresh pages and returns it to the kernel when it is
 // freed, so the next layer's block of the same size faulted its pages in again (~1.5 us a page on this VM). Whether a
 // size stays on glibc's heap instead depends on the order of earlier frees: 512-token prompts of a 1B Q8_0 model took
-// 3 to 90 thousand page faults and ran at 511-598 tok/s, from one prompt to the next (592-603 with the pool, ~2.9
+// 3 to 90 thousand page faults and ran at 511-598 tok/s, from one prompt to the next (573-603 with the pool, ~2.9
 // thousand faults). A layer's sizes repeat in every layer, so after the first layer the pool serves them all.
 #include <ATen/ATen.h>
 

@@ -173,9 +173,9 @@ constexpr int64_t kStreamedOutputBytes = int64_t{1} << 20;
 // every row 64-byte aligned. Why: a pass ends by writing one 64-byte line in each of its 64 rows, lines a whole row
 // of y apart, which all fall in the same few sets of the L1 cache. Fetched ahead they evicted one another, and
 // written they missed one by one (~7% of a 512-row linear's samples on those stores). Streamed, they go to memory
-// whole without being read first: a 2048 x 2048 Q4_0 linear of 512 rows, 6.0-6.1 -> 5.6-5.9 cycles a row, 16 channels
-// and 32 inputs; 512-token prompts of 1B Q4_0, Q8_0 and Q4_K_M models +3-8% (alternated, the next steps' reads of y
-// from memory included). Smaller outputs, which the next step finds in L2, keep ordinary stores.
+// whole without being read first: a 2048 x 2048 Q4_0 linear of 512 rows, 6.0-6.1 -> 5.6-5.9 cycles a row, 16
+// channels and 32 inputs; 512-token prompts of 1B Q4_0, Q8_0 and Q4_K_M models +3-11% (alternated pairs, the next
+// steps' reads of y from memory included). Smaller outputs, which the next step finds in L2, keep ordinary stores.
 inline bool streaming_outputs(int64_t rows, int64_t n_out, const float* y) {
   return rows * n_out * static_cast<int64_t>(sizeof(float)) >= kStreamedOutputBytes && n_out % kQuantTile == 0 &&
          reinterpret_cast<uintptr_t>(y) % 64 == 0;
