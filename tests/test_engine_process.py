@@ -705,6 +705,60 @@ print(json.dumps({"libtorch_cpu": "libtorch_cpu.so" in maps, "torch": "torch" in
     }
 
 
+_SLOW_TO_LOAD_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+int saw_go = 0;
+/* Runs inside dlopen, as libtorch_cpu's initializers do: says it started, then waits up to 10 s for "go". */
+__attribute__((constructor)) static void wait_for_go(void) {
+  const char* dir = getenv("CHATAPP_TEST_LOAD_DIR");
+  char path[4096];
+  if (!dir) return;
+  snprintf(path, sizeof path, "%s/started", dir);
+  fclose(fopen(path, "w"));
+  snprintf(path, sizeof path, "%s/go", dir);
+  for (int i = 0; i < 1000; ++i) {
+    if (access(path, F_OK) == 0) { saw_go = 1; return; }
+    usleep(10000);
+  }
+}
+"""
+
+
+def test_the_torch_preload_leaves_the_interpreter_free_while_a_library_loads(tmp_path: Path) -> None:
+    """The preload's dlopen lets go of the interpreter's lock (ctypes.CDLL holds it on Python 3.11): the
+    engine reads its config and the model's header while libtorch_cpu's initializers run (~0.17 s). Shown
+    with a library whose initializer waits for a file that only Python on the main thread writes."""
+    import shutil
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler, "a C compiler builds the CPU kernels at install; none found"
+    source, lib = tmp_path / "slow.c", tmp_path / "libslow.so"
+    source.write_text(_SLOW_TO_LOAD_C)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(source)], check=True, capture_output=True)
+    script = """
+import ctypes, os, sys, threading, time
+from pathlib import Path
+from chatapp.engine import cpu_kernels
+lib, here = Path(sys.argv[1]), Path(sys.argv[2])
+loading = threading.Thread(target=cpu_kernels._dlopen_releasing_the_interpreter, args=(lib,))
+loading.start()
+deadline = time.monotonic() + 30
+while not (here / "started").exists() and time.monotonic() < deadline:
+    time.sleep(0.005)  # Python runs here only while the loading thread does not hold the interpreter
+(here / "go").touch()
+loading.join()
+print(ctypes.c_int.in_dll(ctypes.CDLL(str(lib)), "saw_go").value)
+"""
+    env = {**os.environ, "CHATAPP_TEST_LOAD_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(lib), str(tmp_path)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1", "the library's initializer ran out its wait: the interpreter stood still"
+
+
 ENGINE_ENTRIES = {
     # the engine process: no config comes, so main returns once the engine is imported
     "process": """

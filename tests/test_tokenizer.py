@@ -132,9 +132,10 @@ def _no_second_build(path: Path, cache: Path) -> None:
 
 
 def test_the_engine_launch_builds_a_gguf_tokenizer_in_a_process_of_its_own(tmp_path: Path, monkeypatch) -> None:
-    """launch.py starts the build before the engine imports torch; the loader then finds the files."""
+    """launch.py starts a build that transformers makes (~1.2 s) before the engine loads; the loader then
+    finds the files."""
     monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
-    gguf = bundled_gguf_path()
+    gguf = _tokenizer_only_gguf(tmp_path / "other-split.gguf", pre="deepseek-llm")  # not ours to build
     cache = gguf_tokenizer_cache(gguf)
     before = set(tokenizer_module._builders)
     launch._start_tokenizer_build(["--config", json.dumps({"model": str(gguf)}), "--runtime-dir", str(tmp_path)])
@@ -153,6 +154,36 @@ def test_the_engine_launch_builds_a_gguf_tokenizer_in_a_process_of_its_own(tmp_p
     here = prepare_tokenizer_files(gguf)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (cache / name).read_bytes() == (here / name).read_bytes(), name
+
+
+def test_a_byte_level_gguf_tokenizer_gets_no_build_process(tmp_path: Path, monkeypatch) -> None:
+    """Ours builds it in ~0.2 s where a client first asks: a process of its own would only add a Python start
+    beside the weights' load. The first Tokenizer builds it once, in memory, and writes the files from that
+    build; they read back as the same tokenizer."""
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = bundled_gguf_path()
+    cache = gguf_tokenizer_cache(gguf)
+    before = set(tokenizer_module._builders)
+    assert start_tokenizer_build(gguf) is None
+    launch._start_tokenizer_build(["--config", json.dumps({"model": str(gguf)}), "--runtime-dir", str(tmp_path)])
+    assert set(tokenizer_module._builders) == before and not cache.exists()
+
+    read_back = TextTokenizer.__init__
+
+    def no_reading_back(self, directory: Path) -> None:  # noqa: ANN001
+        raise AssertionError(f"the build read {directory} back")
+
+    monkeypatch.setattr(TextTokenizer, "__init__", no_reading_back)
+    fresh = Tokenizer(gguf)
+    monkeypatch.setattr(TextTokenizer, "__init__", read_back)
+    assert (cache / "tokenizer.json").exists()
+    files = TextTokenizer(cache)
+    assert fresh.hf.backend.to_str() == files.backend.to_str()
+    assert (fresh.hf.chat_template, fresh.hf.special_tokens) == (files.chat_template, files.special_tokens)
+    for text in TEXTS:
+        assert fresh.encode(text) == files.encode(text), text
+    for conversation in CONVERSATIONS:
+        assert fresh.render_chat(conversation) == Tokenizer(gguf).render_chat(conversation)
 
 
 def test_the_tokenizer_build_process_imports_no_numpy(tmp_path: Path) -> None:

@@ -60,19 +60,33 @@ def load() -> ModuleType | None:
 def load_torch_libraries_in_background() -> threading.Thread:
     """Start loading torch's C++ libraries (what load() needs first) on a thread, and return it.
 
-    Why: that is ~0.18 s of CPU, almost all of it in the dynamic linker, which leaves the interpreter
-    free. An engine started ahead of its client (launch.py) does it while it waits for its config,
-    instead of after. The linker holds its lock meanwhile: an extension module imported on another
-    thread waits for it. A failure is left for load() to meet and report.
+    Why: that is ~0.17 s of CPU, almost all of it libtorch_cpu's static initializers. An engine started
+    ahead of its client (launch.py) does it while it reads its config and the model file's header. It calls
+    the C library's dlopen through ctypes, which lets go of the interpreter's lock for the call (Python 3.11's
+    ctypes.CDLL holds it, and the interpreter would stand still for those 0.17 s). The linker holds its own
+    lock meanwhile: an extension module imported on another thread waits for it. A failure is left for
+    load() to meet and report.
     """
 
     def run() -> None:
         with contextlib.suppress(Exception):
-            _load_torch_libraries()
+            lib = _torch_library_dir()
+            for name in _TORCH_LIBRARIES_WITHOUT_PYTHON:
+                _dlopen_releasing_the_interpreter(lib / name)
 
     thread = threading.Thread(target=run, name="torch-libraries-preload", daemon=True)
     thread.start()
     return thread
+
+
+def _dlopen_releasing_the_interpreter(path: Path) -> None:
+    """dlopen(path, RTLD_NOW | RTLD_GLOBAL) as a foreign call, so other threads run Python meanwhile.
+    The handle is kept open for the process's life: _load_torch_libraries then finds the library loaded."""
+    libc = ctypes.CDLL(None)
+    dlopen = libc.dlopen
+    dlopen.restype, dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+    if not dlopen(os.fsencode(path), os.RTLD_NOW | os.RTLD_GLOBAL):
+        raise OSError(f"cannot load {path}")
 
 
 def _prebuilt(key: str) -> ModuleType | None:
@@ -105,6 +119,16 @@ def _cache_build_dir(key: str) -> Path:
 # What the extension links against, in load order (libtorch_python only for the torch-tensor arguments
 # of the torch path; loading it does not start torch's Python module).
 _TORCH_LIBRARIES = ("libc10.so", "libtorch_cpu.so", "libtorch_python.so")
+# What the background preload loads: libtorch_python is 6 ms, and its initializers may take the
+# interpreter's lock, which a preload running beside the interpreter must not wait for.
+_TORCH_LIBRARIES_WITHOUT_PYTHON = _TORCH_LIBRARIES[:2]
+
+
+def _torch_library_dir() -> Path:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise ImportError("torch is not installed")
+    return Path(spec.origin).parent / "lib"
 
 
 def _load_torch_libraries() -> None:
@@ -112,10 +136,7 @@ def _load_torch_libraries() -> None:
     calls the extension with numpy arrays, and `import torch` would cost ~1.1 s of the engine's start."""
     if "torch" in sys.modules:
         return
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        raise ImportError("torch is not installed")
-    lib = Path(spec.origin).parent / "lib"
+    lib = _torch_library_dir()
     for name in _TORCH_LIBRARIES:
         ctypes.CDLL(str(lib / name), mode=os.RTLD_GLOBAL)
 

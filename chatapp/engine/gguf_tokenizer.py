@@ -15,6 +15,7 @@ on variants of it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -72,34 +73,69 @@ def byte_alphabet() -> dict[int, str]:
     return spelling
 
 
-def write_byte_level_tokenizer(gguf_path: Path, out: Path) -> bool:
-    """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja) for a byte-level BPE GGUF
-    file into ``out``; False, writing nothing, when the file's tokenizer is of another kind."""
-    fields = read_tokenizer_metadata(gguf_path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+@dataclass(frozen=True)
+class ByteLevelTokenizer:
+    """A byte-level BPE GGUF file's tokenizer as built in memory: the `tokenizers` object, the
+    tokenizer_config.json fields and the chat template (None when the file has none)."""
+
+    backend: Any
+    config: dict[str, Any]
+    chat_template: str | None
+
+    def write(self, out: Path) -> None:
+        """tokenizer.json, tokenizer_config.json (and chat_template.jinja) into ``out``."""
+        out.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(self.config, indent=2, ensure_ascii=False), encoding="utf-8"
+        )
+        if self.chat_template:
+            (out / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
+
+
+def is_byte_level_bpe(fields: dict[str, Any]) -> bool:
+    """Whether a file's metadata names a tokenizer this module builds: byte-level BPE with a split rule
+    it knows (the rest go to transformers)."""
     pre = fields.get("tokenizer.ggml.pre") or ""
-    if fields.get("tokenizer.ggml.model") != "gpt2" or (pre not in _SPLITS and pre not in _GPT2_SPLIT_PRES):
-        return False
+    return fields.get("tokenizer.ggml.model") == "gpt2" and (pre in _SPLITS or pre in _GPT2_SPLIT_PRES)
+
+
+def build_byte_level_tokenizer(gguf_path: Path) -> ByteLevelTokenizer | None:
+    """A byte-level BPE GGUF file's tokenizer, built from its metadata; None when it is of another kind
+    (or its metadata is not what this module takes: transformers then builds it, or says what is wrong)."""
+    fields = read_tokenizer_metadata(gguf_path, ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"))
+    if not is_byte_level_bpe(fields):
+        return None
     tokens = fields.get("tokenizer.ggml.tokens")
     merges = fields.get("tokenizer.ggml.merges")
     if not isinstance(tokens, list) or not isinstance(merges, list):
-        return False
+        return None
     named = {name: _token_at(tokens, fields.get(key)) for name, key in _NAMED_SPECIAL.items()}
     add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(fields.get("tokenizer.ggml.add_eos_token", False))
     if (add_bos and named["bos_token"] is None) or (add_eos and named["eos_token"] is None):
-        return False
+        return None
+    pre = fields.get("tokenizer.ggml.pre") or ""
     try:
         backend = _backend(tokens, merges, fields.get("tokenizer.ggml.token_type") or [], pre, named)
         backend.post_processor = _post_processor(named, add_bos, add_eos, backend)
     except Exception:  # e.g. a merge naming a token the vocabulary lacks: transformers says what is wrong
-        return False
-    out.mkdir(parents=True, exist_ok=True)
-    backend.save(str(out / "tokenizer.json"))
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **named}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+        return None
     template = fields.get("tokenizer.chat_template")
-    if isinstance(template, str) and template:
-        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return ByteLevelTokenizer(
+        backend,
+        {"tokenizer_class": "PreTrainedTokenizerFast", **named},
+        template if isinstance(template, str) and template else None,
+    )
+
+
+def write_byte_level_tokenizer(gguf_path: Path, out: Path) -> bool:
+    """Write tokenizer.json, tokenizer_config.json (and chat_template.jinja) for a byte-level BPE GGUF
+    file into ``out``; False, writing nothing, when the file's tokenizer is of another kind."""
+    built = build_byte_level_tokenizer(gguf_path)
+    if built is None:
+        return False
+    built.write(out)
     return True
 
 

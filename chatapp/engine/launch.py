@@ -47,8 +47,7 @@ def _run_prestarted(argv: list[str]) -> int:
         return 0
     argv = ["--config", config, *argv]
     _start_tokenizer_build(argv)
-    if preload is not None:
-        preload.join()  # before the engine's loader asks cpu_kernels for the extension
+    # The engine starts beside the preload: its loader's first dlopen of those libraries waits for it.
     return run_engine(argv)
 
 

@@ -30,7 +30,10 @@ from chatapp.engine.reasoning import OPEN as THINK_OPEN
 from chatapp.engine.reasoning import prompt_opens_thinking
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer as Backend
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    from chatapp.engine.gguf_tokenizer import ByteLevelTokenizer
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _REMEMBERED = 4096
@@ -141,32 +144,45 @@ def prepare_tokenizer_files(path: Path) -> Path:
     """The directory with the model's tokenizer.json and tokenizer_config.json, building them once.
 
     A model directory usually has them; a GGUF file's (and a directory with only a slow,
-    SentencePiece tokenizer) are built by transformers once and kept in the cache directory. The
-    engine calls this while it loads, so the clients that attach find them and stay light. One
-    process builds them at a time (a file lock): the engine's loader waits here for the build that
-    start_tokenizer_build began, and builds them itself if that one failed.
+    SentencePiece tokenizer) are built once and kept in the cache directory. The engine calls this
+    while it loads, so the clients that attach find them and stay light. One process builds them at a
+    time (a file lock): whoever comes second waits for the first build and uses its files.
     """
+    return _prepare_tokenizer(path)[0]
+
+
+def _prepare_tokenizer(path: Path) -> tuple[Path, ByteLevelTokenizer | None]:
+    """prepare_tokenizer_files, plus the tokenizer itself where this call built it in memory (a byte-level
+    BPE GGUF file's): the caller then need not read back the files it wrote."""
     path = metadata_part(Path(path))  # a split GGUF model's metadata is in its first part
     if not is_gguf_path(path) and (path / "tokenizer.json").exists():
-        return path
+        return path, None
     cache = gguf_tokenizer_cache(path)
     if (cache / "tokenizer.json").exists():
-        return cache
+        return cache, None
     with _build_lock(cache):
-        if not (cache / "tokenizer.json").exists():
-            _build_tokenizer_files(path, cache)
-    return cache
+        if (cache / "tokenizer.json").exists():
+            return cache, None
+        return cache, _build_tokenizer_files(path, cache)
 
 
 def start_tokenizer_build(path: Path) -> subprocess.Popen[bytes] | None:
-    """Start building a GGUF file's missing tokenizer files in a process of their own; None when they exist.
+    """Start building a GGUF file's missing tokenizer files in a process of their own, where transformers
+    builds them; None when they exist, or when the file's tokenizer is byte-level BPE.
 
-    Why: on a GGUF file's first start the engine spent ~1.7 s on them (transformers) after its
-    weights, on one core. Started before the engine imports torch, the build runs on another core
-    meanwhile; prepare_tokenizer_files then finds the files, or waits for the build (its lock).
+    Why: transformers takes ~1.2 s over a SentencePiece file's tokenizer, and the engine would wait for it
+    after its weights; started before the engine's load, the build runs on another core meanwhile, and
+    prepare_tokenizer_files then finds the files, or waits for the build (its lock). A byte-level BPE
+    tokenizer is built in ~0.2 s by the first client to ask (Tokenizer), in its own process: a build
+    process of its own would only add a Python start (~0.1 s of CPU) beside the weights' load.
     """
     path = metadata_part(Path(path))
     if not is_gguf_path(path) or (gguf_tokenizer_cache(path) / "tokenizer.json").exists():
+        return None
+    from chatapp.engine.gguf_tokenizer import is_byte_level_bpe
+    from chatapp.engine.models.gguf_file import read_tokenizer_metadata
+
+    if is_byte_level_bpe(read_tokenizer_metadata(path)):
         return None
     # OpenBLAS's threads (numpy, in the transformers fallback) would spin on the core the engine loads on.
     env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
@@ -201,13 +217,17 @@ def _build_lock(cache: Path) -> Iterator[None]:
                 _builders.remove(builder)
 
 
-def _build_tokenizer_files(path: Path, cache: Path) -> None:
-    """Byte-level BPE GGUF files are written by gguf_tokenizer.py (~0.2 s); the others by transformers."""
-    from chatapp.engine.gguf_tokenizer import write_byte_level_tokenizer
+def _build_tokenizer_files(path: Path, cache: Path) -> ByteLevelTokenizer | None:
+    """Byte-level BPE GGUF files are built by gguf_tokenizer.py (~0.2 s; returned too); the others by
+    transformers."""
+    from chatapp.engine.gguf_tokenizer import build_byte_level_tokenizer
 
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
     try:
-        if not (is_gguf_path(path) and write_byte_level_tokenizer(path, tmp)):
+        built = build_byte_level_tokenizer(path) if is_gguf_path(path) else None
+        if built is not None:
+            built.write(tmp)
+        else:
             shutil.rmtree(tmp, ignore_errors=True)
             tokenizer: PreTrainedTokenizerBase | None = _gguf_tokenizer_quickly(path) if is_gguf_path(path) else None
             if tokenizer is None:
@@ -217,6 +237,7 @@ def _build_tokenizer_files(path: Path, cache: Path) -> None:
             raise ChatFormatError(f"the tokenizer of {path} has no fast (tokenizer.json) form")
         shutil.rmtree(cache, ignore_errors=True)  # an earlier version's partial files
         os.replace(tmp, cache)
+        return built
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -262,15 +283,12 @@ class TextTokenizer:
 
     def __init__(self, directory: Path) -> None:
         from tokenizers import Tokenizer as Backend
-        from tokenizers.models import BPE
 
         tokenizer_file = directory / "tokenizer.json"
         try:
-            self.backend = Backend.from_file(str(tokenizer_file))
+            backend = Backend.from_file(str(tokenizer_file))
         except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
             raise TokenizerFilesError(f"{tokenizer_file} cannot be read ({exc})") from None
-        self.backend.no_truncation()
-        self.backend.no_padding()
         config_file = directory / "tokenizer_config.json"
         config = read_json_object(config_file, TokenizerFilesError) if config_file.exists() else {}
         template = config.get("chat_template")
@@ -282,6 +300,21 @@ class TextTokenizer:
                 template = jinja_file.read_text(encoding="utf-8")
             except UnicodeDecodeError as exc:
                 raise TokenizerFilesError(f"{jinja_file} is not UTF-8 text ({exc})") from None
+        self._take(backend, config, template)
+
+    @classmethod
+    def from_build(cls, built: ByteLevelTokenizer) -> TextTokenizer:
+        """The tokenizer a build just made in memory: what TextTokenizer(its directory) would read back."""
+        tokenizer = cls.__new__(cls)
+        tokenizer._take(built.backend, built.config, built.chat_template)
+        return tokenizer
+
+    def _take(self, backend: Backend, config: dict[str, Any], template: Any) -> None:
+        from tokenizers.models import BPE
+
+        self.backend = backend
+        self.backend.no_truncation()
+        self.backend.no_padding()
         self.chat_template: str | None = template or None
         # The named special tokens, as transformers hands them to templates (not the extra ones).
         names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -336,7 +369,8 @@ class Tokenizer:
     """The model's tokenizer plus our chat rendering (tokenizers + Jinja: no torch in clients)."""
 
     def __init__(self, model_path: Path | str) -> None:
-        self.hf = TextTokenizer(prepare_tokenizer_files(Path(model_path)))
+        directory, built = _prepare_tokenizer(Path(model_path))
+        self.hf = TextTokenizer.from_build(built) if built is not None else TextTokenizer(directory)
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
 
     @property

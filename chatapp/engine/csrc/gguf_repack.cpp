@@ -19,6 +19,7 @@
 //   IQ4_NL -> kind 9 (Q4_0's layout, 1.0x)   IQ4_XS -> 108 (kquant.cpp's IQ4X; its 6-bit scales as int8, 1.015x)
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 
 #if defined(__linux__)
@@ -393,8 +394,13 @@ std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   chatapp::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    populate_for_writing(dst + t0 * blocks * tile_bytes, (t1 - t0) * blocks * tile_bytes);
-    for (int64_t t = t0; t < t1; ++t)
+    // Mapped in ~256 KB at a time, just before they are written: the kernel's zeroed lines are then still
+    // in L2 when the repack overwrites them (a thread's whole share at once had them evicted first, and
+    // each line came back from memory): a 1B Q4_0 file's load 0.27-0.29 -> 0.26-0.27 s.
+    const int64_t tiles_per_map = std::max<int64_t>(1, (256 << 10) / (blocks * tile_bytes));
+    for (int64_t t = t0; t < t1; ++t) {
+      if ((t - t0) % tiles_per_map == 0)
+        populate_for_writing(dst + t * blocks * tile_bytes, std::min(tiles_per_map, t1 - t) * blocks * tile_bytes);
       for (int64_t c = 0; c < kQuantTile && t * kQuantTile + c < n; ++c) {
         const int64_t r = t * kQuantTile + c;
         const uint8_t* row = src + (op ? op[r] : r) * row_stride;
@@ -405,6 +411,7 @@ std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_
           else write_block256(blk, kind, c, decode_block256(ggml_type, row + b * block_bytes));
         }
       }
+    }
   });
   return {packed, kind};
 }
