@@ -195,6 +195,30 @@ async def test_explicit_abort_stops_within_a_step_and_frees_blocks(client: Async
     assert idle(await client.stats())
 
 
+async def test_an_idle_engine_gives_back_a_long_prompts_activation_memory(tmp_path: Path) -> None:
+    """A prompt's big activations wait in the C++ kernels' pool between steps; once the engine has run nothing
+    for IDLE_SECONDS it frees them (memory.py), and says so in its log. On a GGUF model: the C++ layer loop."""
+    from chatapp.engine.memory import IDLE_SECONDS
+    from tests.gguf_models import write_llama_gguf
+
+    model = write_llama_gguf(tmp_path / "tiny-q8.gguf")  # hidden 256: a 1500-token prompt's gate/up is 6 MB
+    c = await AsyncEngineClient.connect(EngineConfig(model=str(model)), runtime_dir=tmp_path / "rt")
+    try:
+        assert c.log_path is not None
+        said = "of activation memory"
+        await collect(c.generate(" ".join(["word"] * 1500), SamplingParams(temperature=0, max_tokens=1)))
+        assert idle(await c.stats())
+        deadline = time.monotonic() + IDLE_SECONDS + 30  # a correctness bound (it never came), not a speed check
+        while said not in c.log_path.read_text() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        gave_back = [line for line in c.log_path.read_text().splitlines() if said in line]
+        assert len(gave_back) == 1 and "gave back" in gave_back[0], gave_back
+        mib = float(gave_back[0].split("gave back ")[1].split(" MiB")[0])
+        assert mib >= 6, gave_back  # at least the gate/up block
+    finally:
+        await c.close()
+
+
 async def test_aclose_aborts(client: AsyncEngineClient) -> None:
     stream = client.generate("Count forever:", LONG)
     await anext(stream)

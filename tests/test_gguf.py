@@ -262,6 +262,26 @@ def test_a_big_output_reuses_the_memory_the_last_one_freed() -> None:
     assert max(faults[1:]) < 60, faults  # the later ones reuse them
 
 
+_RELEASE_AFTER_TWO = """    if len(faults) == 2:
+        released = [ext.release_idle_activations(), ext.release_idle_activations()]
+"""
+_RELEASE_PROBE = _POOL_PROBE.replace("    del y\n", "    del y\n" + _RELEASE_AFTER_TWO).replace(
+    "print(json.dumps(faults))", "print(json.dumps([faults, released]))"
+)
+
+
+def test_an_idle_release_gives_the_pools_blocks_back() -> None:
+    """release_idle_activations (an idle engine's call, memory.py) frees what the pool holds, once: the next output
+    of that size maps its pages in again."""
+    assert _RELEASE_PROBE != _POOL_PROBE
+    probe = subprocess.run([sys.executable, "-c", _RELEASE_PROBE], capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    faults, released = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert released == [600 * 1024 * 4, 0], released  # the one 2.4 MB output waiting in the pool, then nothing
+    assert max(faults[1:2]) < 60 and faults[2] >= 600, faults  # reused before the release, mapped anew after it
+    assert faults[3] < 60, faults  # and pooled again
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_the_fused_swiglu_projection_has_the_bits_of_silu_then_the_linear(ext, type_name: str) -> None:
     """The MLP's down projection of a kind of blocks of 32 computes silu(gate) * up row by row as it quantizes

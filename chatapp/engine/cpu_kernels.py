@@ -57,6 +57,15 @@ def load() -> ModuleType | None:
         return None
 
 
+def release_idle_activations() -> int:
+    """Free the C++ activation pool's idle blocks (memory.py says when); the bytes they held. Nothing where
+    this process never loaded the extension (an engine on a GPU, or with the kernels off)."""
+    if load.cache_info().currsize == 0:
+        return 0
+    module = load()
+    return 0 if module is None else int(module.release_idle_activations())
+
+
 def load_torch_libraries_in_background() -> threading.Thread:
     """Start loading torch's C++ libraries (what load() needs first) on a thread, and return it.
 

@@ -38,11 +38,11 @@ import msgspec
 import psutil
 import zmq
 
-from chatapp.engine import ipc, startup_gc
+from chatapp.engine import cpu_kernels, ipc, startup_gc
 from chatapp.engine.api import EngineBusyError, EngineStats, ErrorKind, ModelInfo, ModelStatus
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
-from chatapp.engine.memory import return_freed_memory
+from chatapp.engine.memory import IdleMemoryRelease, return_freed_memory
 from chatapp.engine.model_loader import ModelLoader, model_info, precheck_model
 from chatapp.engine.model_pool import (
     GIB,
@@ -78,6 +78,7 @@ class EngineServer:
         self.runtime = runtime
         self.encoder, self.decoder = ipc.engine_codec()
         self.busy_loop_seconds = 0.0  # loop iterations that had work: steps plus IPC and housekeeping
+        self.idle_memory = IdleMemoryRelease(cpu_kernels.release_idle_activations)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a client's outputs; dead clients are removed instead
@@ -167,6 +168,7 @@ class EngineServer:
                 log.info("no clients left; exiting")
                 return 0
             stepped = self._step_models()
+            self.idle_memory.note(busy or stepped)
             if not stepped and self.streams:
                 self._flush_streams(force=True)  # nothing more is coming this step: hold nothing back
             if busy or stepped:  # engine overhead = busy loop time outside the model forward (see stats)

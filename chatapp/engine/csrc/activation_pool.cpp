@@ -5,6 +5,12 @@
 
 #include <cstdlib>
 #include <map>
+#include <utility>
+#include <vector>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <mutex>
 #include <new>
 
@@ -29,6 +35,14 @@ class Pool {
     void* block = nullptr;
     if (posix_memalign(&block, 64, bytes) != 0) throw std::bad_alloc();
     return block;
+  }
+
+  // Every idle block, out of the pool (the caller frees them outside the lock); the bytes they held.
+  size_t drain(std::vector<void*>& blocks) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [bytes, block] : idle_) blocks.push_back(block);
+    idle_.clear();
+    return std::exchange(idle_bytes_, 0);
   }
 
   // A tensor's block comes back (its deleter, on whichever thread freed the tensor).
@@ -63,4 +77,14 @@ at::Tensor pooled_empty(at::IntArrayRef sizes, const at::TensorOptions& options)
   if (bytes < kPooledBytes || options.device().type() != at::kCPU) return at::empty(sizes, options);
   void* block = pool().take(bytes);
   return at::from_blob(block, sizes, [bytes](void* p) { pool().give(p, bytes); }, options);
+}
+
+int64_t release_idle_activations() {
+  std::vector<void*> blocks;
+  const size_t bytes = pool().drain(blocks);
+  for (void* block : blocks) std::free(block);
+#if defined(__GLIBC__)
+  if (bytes > 0) malloc_trim(0);  // blocks under glibc's mmap threshold went to its heap: return what is free
+#endif
+  return static_cast<int64_t>(bytes);
 }

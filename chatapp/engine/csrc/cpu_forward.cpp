@@ -467,6 +467,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::make_tuple(float_array(a.cos()), float_array(a.sin()));
       },
       "cos and sin of float32 angles with torch's own kernels (RoPE tables with the torch path's bits)");
+  m.def("release_idle_activations", &release_idle_activations,
+        "free the activation pool's idle blocks (the engine, once idle); the bytes they held");
   m.def("set_num_threads", [](int64_t n) { at::set_num_threads(static_cast<int>(n)); },
         "the threads our kernels (and libtorch's) use, for callers without torch");
   m.def("get_num_threads", []() { return static_cast<int64_t>(at::get_num_threads()); });
