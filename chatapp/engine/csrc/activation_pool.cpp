@@ -5,14 +5,14 @@
 
 #include <cstdlib>
 #include <map>
+#include <mutex>
+#include <new>
 #include <utility>
 #include <vector>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
-#include <mutex>
-#include <new>
 
 namespace {
 
