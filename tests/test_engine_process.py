@@ -663,7 +663,8 @@ async def test_a_prestarted_engine_leaves_when_the_client_attaches_to_a_running_
     try:
         assert not other.spawned_engine
         deadline = time.monotonic() + 60  # gone, not a zombie: the client reaps it without being asked
-        while psutil.pid_exists(waiting.pid) and time.monotonic() < deadline:
+        # Its reaper thread records the exit status just after the pid is gone: wait for both.
+        while (psutil.pid_exists(waiting.pid) or waiting.returncode is None) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert not psutil.pid_exists(waiting.pid) and waiting.returncode == 0
         assert ipc.read_record(runtime) is None
@@ -750,7 +751,7 @@ __attribute__((constructor)) static void wait_for_go(void) {
 """
 
 
-def test_the_torch_preload_leaves_the_interpreter_free_while_a_library_loads(tmp_path: Path) -> None:
+async def test_the_torch_preload_leaves_the_interpreter_free_while_a_library_loads(tmp_path: Path) -> None:
     """The preload's dlopen lets go of the interpreter's lock (ctypes.CDLL holds it on Python 3.11): the
     engine reads its config and the model's header while libtorch_cpu's initializers run (~0.17 s). Shown
     with a library whose initializer waits for a file that only Python on the main thread writes."""
