@@ -1,10 +1,10 @@
-"""A GGUF file's byte-level BPE tokenizer written as tokenizer.json with the `tokenizers` library alone.
+"""A GGUF file's byte-level BPE tokenizer built with the `tokenizers` library alone (and written as tokenizer.json).
 
 Why: a GGUF file carries its tokenizer as metadata (vocabulary, merges, token types), and its
 tokenizer.json has to be built once, on its first start. transformers builds it in ~1.2 s, most of
 it importing transformers; the start waits for that. The byte-level BPE kind ("gpt2" in the file:
 SmolLM, Llama 3, Qwen 2 and 3) is a vocabulary, merges, a split rule and a byte alphabet, which this
-module writes directly in ~0.2 s. Every other kind (SentencePiece, unigram), and a byte-level file
+module builds directly in ~0.1 s. Every other kind (SentencePiece, unigram), and a byte-level file
 whose split rule (`tokenizer.ggml.pre`) is not one named here, is left to transformers.
 
 The files match transformers' build of the same GGUF file field for field, but for one token

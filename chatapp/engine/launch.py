@@ -1,9 +1,10 @@
 """The engine process's entry point (``python -m chatapp.engine.launch``, started by client.py): work that
 can begin before the engine's own imports, then the engine (process.py).
 
-Why: a GGUF model's first start builds its tokenizer files (~1.2 s of transformers), which used to begin
-only after the weights had loaded; started here, in a process of its own, the build runs on another
-core while this one imports the engine and loads the weights.
+Why: a GGUF file whose tokenizer transformers builds (the SentencePiece kinds: ~1.2 s on its first start)
+used to have it built only after the weights had loaded; started here, in a process of its own, the build
+runs on another core while this one imports the engine and loads the weights (tokenizer.py,
+start_tokenizer_build; a byte-level BPE tokenizer is built by its first client instead).
 A client may start this process before it knows the config (prestart.py): then the engine's imports
 come first and the config arrives on stdin. This module imports nothing heavy before handing over
 but numpy (see blas_threads.py).

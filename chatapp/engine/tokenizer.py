@@ -173,7 +173,7 @@ def start_tokenizer_build(path: Path) -> subprocess.Popen[bytes] | None:
     Why: transformers takes ~1.2 s over a SentencePiece file's tokenizer, and the engine would wait for it
     after its weights; started before the engine's load, the build runs on another core meanwhile, and
     prepare_tokenizer_files then finds the files, or waits for the build (its lock). A byte-level BPE
-    tokenizer is built in ~0.2 s by the first client to ask (Tokenizer), in its own process: a build
+    tokenizer is built in ~0.2 s by the first client to ask (Tokenizer), in that client's process: a build
     process of its own would only add a Python start (~0.1 s of CPU) beside the weights' load.
     """
     path = metadata_part(Path(path))
