@@ -203,6 +203,13 @@ def _paged_attention_kernel(
 _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
 
 
+def _widen_dot(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the dot operands go to fp32 first: tl.dot takes two operands of one type, so a cache
+    whose type is not the model's (kv_cache_dtype="float32" under a bf16 model, say) is met in
+    fp32, which holds either type exactly; and the interpreter cannot multiply bf16 (above)."""
+    return q_dtype != cache_dtype or (_INTERPRETED and torch.bfloat16 in (q_dtype, cache_dtype))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -256,7 +263,7 @@ def paged_attention(
         BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        # fp32 caches mean the user asked for fp32: don't let tl.dot round operands to TF32.
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        WIDEN_DOT=_INTERPRETED and k_cache.dtype == torch.bfloat16,
+        # An fp32 model or cache means the user asked for fp32: don't let tl.dot round operands to TF32.
+        DOT_PRECISION="ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32",
+        WIDEN_DOT=_widen_dot(q.dtype, k_cache.dtype),
     )

@@ -213,6 +213,32 @@ def test_paged_attention_matches_naive_reference(
     assert_close(out, naive_attention(batch, k_cache, v_cache))
 
 
+@pytest.mark.parametrize(
+    ("q_dtype", "cache_dtype"),
+    [
+        (torch.bfloat16, torch.float32),  # a bf16 model asked for a float32 cache
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.float16, torch.float32),
+    ],
+)
+def test_queries_and_a_cache_of_different_types_attend_as_the_reference(
+    q_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """kv_cache_dtype need not be the model's dtype: the step's keys are stored in the cache's type
+    and the dot products are taken in the wider of the two."""
+    batch = make_batch(MIXED, block_size=16, num_kv_heads=2, group=3, head_dim=64, dtype=cache_dtype)
+    batch.q, batch.k, batch.v = batch.q.to(q_dtype), batch.k.to(q_dtype), batch.v.to(q_dtype)
+    backend = TritonAttentionBackend([(batch.k_cache.clone(), batch.v_cache.clone())], 6, 64)
+    backend.begin_step(batch.meta)
+    out = backend.forward(0, batch.q, batch.k, batch.v)
+    k_cache, v_cache = backend.kv_caches[0]
+    assert out.dtype == q_dtype and k_cache.dtype == cache_dtype
+    assert torch.equal(k_cache.cpu(), naive_store(batch)[0].cpu())
+    narrower = cache_dtype if q_dtype == torch.float32 else q_dtype  # the half type's rounding bounds the error
+    assert_close(out.to(narrower), naive_attention(batch, k_cache, v_cache))
+
+
 # --- the backend against the torch backend ------------------------------------------------------
 
 
