@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import faulthandler
-import gc
 import logging
 import os
 import signal
@@ -602,7 +601,7 @@ class EngineServer:
             raise AssertionError("the default model is never unloaded this way")
         self.slots.pop(slot.spec, None)
         slot.core = None
-        gc.collect()
+        startup_gc.collect_everything()
         return_freed_memory()
         self._broadcast(ipc.ModelState(slot.spec, "unloaded", why))
 
@@ -671,7 +670,8 @@ class EngineServer:
     def _finish_loading(self) -> None:
         loader, self.loader = self.loader, None
         assert loader is not None
-        startup_gc.release()  # the start is over (launch.py held the collector off for it)
+        # The start is over (launch.py held the collector off for it); what it made stays (startup_gc.py).
+        startup_gc.release(freeze=True)
         if loader.slot is not self.default:
             if loader.core is not None:
                 self._model_ready(loader.slot, loader.core)
@@ -752,7 +752,7 @@ class EngineServer:
         new_config = dataclasses.replace(self.config, model=msg.model)  # the user's fields: finalize() runs again
         self._rekey_default(ipc.normalize_model_spec(msg.model))
         old.core, old.info = None, None
-        gc.collect()  # free the old weights and KV pool before the new ones load
+        startup_gc.collect_everything()  # free the old weights and KV pool before the new ones load
         if self.default.core is not None:  # already loaded beside the old default
             self.config = new_config
             self.record.model = self.default.spec

@@ -134,7 +134,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await client.close()
         return 1
     print(f"Serving the OpenAI-compatible API at {handle.url}/v1 (Ctrl+C stops)", flush=True)
-    startup_gc.release()  # this process's imports are done (cli.main held the collector for them)
+    startup_gc.release(freeze=True)  # this process's imports are done (cli.main held the collector for them)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
