@@ -52,6 +52,29 @@ def test_default_pool_holds_a_few_full_contexts_in_half_the_bytes(tiny: Path) ->
     ]
 
 
+def test_a_bfloat16_cache_on_the_cpu_runs_the_python_model_and_answers_as_float32(tiny: Path) -> None:
+    """Our C++ attention reads float16 and float32 caches; a bfloat16 one (kv_cache_dtype="bfloat16") takes
+    the Python model's attention instead of failing at the first step, and follows the float32 cache's run
+    within bfloat16's rounding (0.6% of the logits here; a wrong read would be off by their whole size)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    int8 = LLM(str(tiny), kv_cache_dtype="bfloat16", kv_cache_memory_gib=0.01)  # quantization="auto"
+    assert int8.core.runner.cpu_forward is None
+    assert all(len(o.outputs[0].token_ids) == 24 for o in int8.generate(["Hello there"], params))
+
+    llm = LLM(str(tiny), quantization=None, kv_cache_dtype="bfloat16", kv_cache_memory_gib=0.01)
+    runner = llm.core.runner
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16 and runner.cpu_forward is None
+    # The same Python model with a float32 cache: only the cache's rounding differs.
+    wide = LLM(str(tiny), quantization=None, kv_cache_dtype="float32", kv_cache_memory_gib=0.01, cpu_kernels=False)
+    # Logits, not tokens: this random model's top two differ by 0.3% after "One, two, three, four", and
+    # bfloat16 swaps them.
+    assert all(len(o.outputs[0].token_ids) == 24 for o in llm.generate(["One, two, three, four"], params))
+    for out in wide.generate(["Hello there", "One, two, three, four"], params):
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        a, b = wide.prompt_logits(ids), llm.prompt_logits(ids)
+        assert float((a - b).norm() / a.norm()) < 0.02
+
+
 def test_pool_is_held_to_the_memory_left_and_caps_the_context(tiny: Path, monkeypatch) -> None:
     """A long-context model on a small machine gets the context that fits, not an out-of-memory kill."""
     import psutil

@@ -495,12 +495,14 @@ class ModelRunner:
         )
 
     def _cpu_extension(self) -> ModuleType | None:
-        """Our compiled CPU code, where it applies (CPU, float32, torch attention) and builds."""
+        """Our compiled CPU code, where it applies (CPU, float32, torch attention, a float16 or float32 KV
+        cache: its attention reads no other) and builds."""
         if (
             not self.config.cpu_kernels
             or self.device.type != "cpu"
             or self.dtype != torch.float32
             or self.config.attention_backend != "torch"
+            or self.config.torch_kv_dtype() not in (torch.float16, torch.float32)
         ):
             return None
         from chatapp.engine import cpu_kernels
