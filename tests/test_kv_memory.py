@@ -52,14 +52,20 @@ def test_default_pool_holds_a_few_full_contexts_in_half_the_bytes(tiny: Path) ->
     ]
 
 
-def test_a_bfloat16_cache_on_the_cpu_runs_the_python_model_and_answers_as_float32(tiny: Path) -> None:
+def test_a_bfloat16_cache_on_the_cpu_runs_the_python_model_and_answers_as_float32(tiny: Path, tmp_path: Path) -> None:
     """Our C++ attention reads float16 and float32 caches; a bfloat16 one (kv_cache_dtype="bfloat16") takes
     the Python model's attention instead of failing at the first step, and follows the float32 cache's run
     within bfloat16's rounding (0.6% of the logits here; a wrong read would be off by their whole size)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     int8 = LLM(str(tiny), kv_cache_dtype="bfloat16", kv_cache_memory_gib=0.01)  # quantization="auto"
-    assert int8.core.runner.cpu_forward is None
+    assert int8.core.runner.cpu_forward is None and int8.config.quantization == "int8"  # our int8 kernels still
     assert all(len(o.outputs[0].token_ids) == 24 for o in int8.generate(["Hello there"], params))
+    # A GGUF file keeps its own types (not de-quantised to float32, 7-9x its size).
+    from tests.gguf_models import write_llama_gguf
+
+    gguf = LLM(str(write_llama_gguf(tmp_path / "q4_k_m.gguf", mix="Q4_K_M")), kv_cache_dtype="bfloat16")
+    assert gguf.config.quantization == "gguf" and gguf.core.runner.cpu_forward is None
+    assert all(len(o.outputs[0].token_ids) == 24 for o in gguf.generate(["Hello there"], params))
 
     llm = LLM(str(tiny), quantization=None, kv_cache_dtype="bfloat16", kv_cache_memory_gib=0.01)
     runner = llm.core.runner

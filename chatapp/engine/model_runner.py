@@ -127,8 +127,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self._read_back_buffers: list[torch.Tensor] = []  # pinned, for LaunchedStep (two, used in turn)
         self.launched_steps = 0  # decode steps run overlapped (tests check that they were)
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=ext is not None)
-        self.cpu_forward = self._build_cpu_forward(ext)
+        layer_loop = self._layer_loop_applies(ext)
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks, transposed_keys=layer_loop)
+        self.cpu_forward = self._build_cpu_forward(ext) if layer_loop else None
         self.attn: AttentionBackend | None = None if self.cpu_forward is not None else self._make_attention_backend()
         self.decode_graphs = self._capture_decode_graphs()
 
@@ -495,19 +496,23 @@ class ModelRunner:
         )
 
     def _cpu_extension(self) -> ModuleType | None:
-        """Our compiled CPU code, where it applies (CPU, float32, torch attention, a float16 or float32 KV
-        cache: its attention reads no other) and builds."""
+        """Our compiled CPU code, where it applies (CPU, float32, torch attention) and builds."""
         if (
             not self.config.cpu_kernels
             or self.device.type != "cpu"
             or self.dtype != torch.float32
             or self.config.attention_backend != "torch"
-            or self.config.torch_kv_dtype() not in (torch.float16, torch.float32)
         ):
             return None
         from chatapp.engine import cpu_kernels
 
         return cpu_kernels.load()
+
+    def _layer_loop_applies(self, ext: ModuleType | None) -> bool:
+        """Whether the C++ layer loop runs the model: with the extension, and a float16 or float32 KV cache
+        (what its attention reads). With a bfloat16 cache the Python model runs the layers, our linear
+        kernels still doing its projections."""
+        return ext is not None and self.config.torch_kv_dtype() in (torch.float16, torch.float32)
 
     def _build_cpu_forward(self, ext: ModuleType | None) -> CpuForward | None:
         """The C++ layer loop (chatapp/engine/csrc/cpu_forward.cpp), or None without the extension.
