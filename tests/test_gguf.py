@@ -64,6 +64,19 @@ def test_every_type_keeps_the_files_weights_bit_for_bit(ext, type_name: str) -> 
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_rows_taken_in_another_order_pack_as_those_rows_would(ext, type_name: str) -> None:
+    """row_order (llama.cpp's q/k rows put back in rotate-half order) on whole tiles and a padded one: the
+    whole-tile writers take each channel's row through it as the channel-by-channel path does."""
+    rng = np.random.default_rng(7 + len(type_name))
+    raw = random_blocks(type_name, 40, 512, rng)
+    order = rng.permutation(40)
+    type_id = int(GGMLQuantizationType[type_name])
+    reordered, _ = ext.repack_gguf(torch.from_numpy(raw), type_id, 512, torch.from_numpy(order))
+    expected, _ = repack(ext, np.ascontiguousarray(raw[order]), type_name, 512)
+    assert torch.equal(reordered, expected)
+
+
 @pytest.mark.parametrize("type_name", [*WIDENED_TYPES, "IQ4_NL", "IQ4_XS"])
 def test_decoded_types_keep_the_files_weights_bit_for_bit(ext, type_name: str) -> None:
     """Q3_K (held by Q6_K's kind), IQ4_NL and IQ4_XS (by kinds that look their indices' values up) packed and
