@@ -346,60 +346,140 @@ bool write_direct(int64_t type, uint8_t* blk, int64_t c, const uint8_t* p) {
   }
 }
 
-// A whole tile of the block-of-32 types whose codes the file already holds as the kind does (Q4_0, IQ4_NL,
-// Q4_1, Q8_0), block by block: what write_direct writes for each of its 16 channels, 16 at once.
-// Why: channel by channel, these 4-byte copies were most of the repack's CPU (a 1B Q8_0 file: 0.28 of its
+// A whole tile (16 channels) of the types people pull most, block by block: what write_direct writes for each
+// channel, 16 channels at once where AVX-512 is there (else channel by channel, through write_direct).
+// Why: channel by channel, these small copies were most of the repack's CPU (a 1B Q8_0 file: 0.28 of its
 // ~0.5 CPU-seconds), and a first start on 2 cores waits for every CPU-second of the start.
-bool tile_direct(int64_t type) { return type == kQ4_0 || type == kIQ4_NL || type == kQ4_1 || type == kQ8_0; }
+bool tile_direct(int64_t type) {
+  return type == kQ4_0 || type == kIQ4_NL || type == kQ4_1 || type == kQ8_0 || type == kQ4_K || type == kQ6_K;
+}
 
 #if defined(__AVX512F__)
-// Chunks j = 0..3 (64 bytes each) from the 16 bytes at rows[c] + off of each channel c: byte 4c + i of chunk j
-// is byte 4j + i of channel c's, each byte xor flip. A 4 x 4 transpose of dwords within each 128-bit lane,
-// lane L of register i holding channel i + 4L, leaves chunk j's dwords in channel order.
-inline void put_tile_chunks(const uint8_t* const rows[kQuantTile], int64_t off, uint8_t* dst, uint8_t flip) {
-  __m512i a[4];
+// 4 registers of the 16 bytes at rows[c] + off of each channel: lane L of register i holds channel i + 4L's.
+inline void load_lanes(const uint8_t* const rows[kQuantTile], int64_t off, __m512i a[4]) {
   for (int i = 0; i < 4; ++i) {
     __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + off)));
     v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 4] + off)), 1);
     v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 8] + off)), 2);
     a[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 12] + off)), 3);
   }
+}
+
+// load_lanes' registers to dword j of every channel's 16 bytes, channel c at dword c of o[j]: a 4 x 4 dword
+// transpose within each 128-bit lane (lane L, dword i of o[j] is register i's lane L, dword j: channel 4L + i).
+inline void to_chunks(const __m512i a[4], __m512i o[4]) {
   const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
   const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
-  const __m512i x = _mm512_set1_epi8(static_cast<char>(flip));
-  _mm512_storeu_si512(dst, _mm512_xor_si512(_mm512_unpacklo_epi64(t0, t2), x));
-  _mm512_storeu_si512(dst + 64, _mm512_xor_si512(_mm512_unpackhi_epi64(t0, t2), x));
-  _mm512_storeu_si512(dst + 128, _mm512_xor_si512(_mm512_unpacklo_epi64(t1, t3), x));
-  _mm512_storeu_si512(dst + 192, _mm512_xor_si512(_mm512_unpackhi_epi64(t1, t3), x));
+  o[0] = _mm512_unpacklo_epi64(t0, t2);
+  o[1] = _mm512_unpackhi_epi64(t0, t2);
+  o[2] = _mm512_unpacklo_epi64(t1, t3);
+  o[3] = _mm512_unpackhi_epi64(t1, t3);
 }
-#else
-inline void put_tile_chunks(const uint8_t* const rows[kQuantTile], int64_t off, uint8_t* dst, uint8_t flip) {
-  const uint32_t mask = 0x01010101u * flip;
-  for (int64_t c = 0; c < kQuantTile; ++c)
-    for (int j = 0; j < 4; ++j) put_word(dst + 64 * j + 4 * c, u32(rows[c] + off + 4 * j) ^ mask);
-}
-#endif
 
-// Block b of a whole tile (rows: its 16 channels' rows) of a tile_direct type, into blk.
+inline void store_chunks(const __m512i a[4], uint8_t* dst) {
+  __m512i o[4];
+  to_chunks(a, o);
+  for (int j = 0; j < 4; ++j) _mm512_storeu_si512(dst + 64 * j, o[j]);
+}
+
+// Chunks 0..3 of the 16 code bytes at rows[c] + off (block-of-32 kinds), each byte xor flip.
+inline void put_tile_codes(const uint8_t* const rows[kQuantTile], int64_t off, uint8_t* dst, uint8_t flip) {
+  __m512i a[4];
+  load_lanes(rows, off, a);
+  const __m512i x = _mm512_set1_epi8(static_cast<char>(flip));
+  for (int i = 0; i < 4; ++i) a[i] = _mm512_xor_si512(a[i], x);
+  store_chunks(a, dst);
+}
+
+// The two 32-weight groups whose 4-bit codes share the 32 bytes at rows[c] + off (ggml: the low nibbles are
+// one group's, the high nibbles the next's), as put_nibble_group writes them: the low group to dst_low, the
+// high group to dst_high.
+inline void put_tile_nibble_pair(const uint8_t* const rows[kQuantTile], int64_t off, uint8_t* dst_low,
+                                 uint8_t* dst_high) {
+  __m512i x[4], y[4], low[4], high[4];
+  load_lanes(rows, off, x);
+  load_lanes(rows, off + 16, y);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i y_low = _mm512_slli_epi16(_mm512_and_si512(y[i], low4), 4);
+    low[i] = _mm512_or_si512(_mm512_and_si512(x[i], low4), y_low);
+    const __m512i x_high = _mm512_and_si512(_mm512_srli_epi16(x[i], 4), low4);
+    high[i] = _mm512_or_si512(x_high, _mm512_andnot_si512(low4, y[i]));
+  }
+  store_chunks(low, dst_low);
+  store_chunks(high, dst_high);
+}
+
+// Q6_K's bits 4-5 of group g (weights 128h + 32s + l), both halves: lane 4c + i of half p holds, at bits 2j,
+// the bits of inputs 16p + 4j + i (the file's qh bytes at 32h + 16p + 4j + i, bits 2s..2s+1).
+inline void put_tile_q6_high(const uint8_t* const rows[kQuantTile], int64_t qh_off, int s, uint8_t* dst) {
+  const __m512i two = _mm512_set1_epi8(0x03);
+  for (int p = 0; p < 2; ++p) {
+    __m512i a[4], o[4];
+    load_lanes(rows, qh_off + 16 * p, a);
+    to_chunks(a, o);
+    __m512i word = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i bits = _mm512_and_si512(_mm512_srli_epi32(o[j], static_cast<unsigned>(2 * s)), two);
+      word = _mm512_or_si512(word, _mm512_slli_epi32(bits, static_cast<unsigned>(2 * j)));
+    }
+    _mm512_storeu_si512(dst + 64 * p, word);
+  }
+}
+
+// Block b of a whole tile (rows: its 16 channels' rows, at: the block's offset in each) of a tile_direct type.
 void write_tile_direct(int64_t type, uint8_t* blk, const uint8_t* const rows[kQuantTile], int64_t at) {
   switch (type) {
     case kQ8_0:  // codes offset by 128: the sign bit flipped
-      put_tile_chunks(rows, at + 2, blk, 0x80);
-      put_tile_chunks(rows, at + 18, blk + 256, 0x80);
+      put_tile_codes(rows, at + 2, blk, 0x80);
+      put_tile_codes(rows, at + 18, blk + 256, 0x80);
       for (int64_t c = 0; c < kQuantTile; ++c) std::memcpy(blk + 512 + 2 * c, rows[c] + at, 2);
       return;
     case kQ4_1:
-      put_tile_chunks(rows, at + 4, blk, 0);
+      put_tile_codes(rows, at + 4, blk, 0);
       for (int64_t c = 0; c < kQuantTile; ++c) {
         std::memcpy(blk + 256 + 2 * c, rows[c] + at, 2);
         std::memcpy(blk + 288 + 2 * c, rows[c] + at + 2, 2);
       }
       return;
+    case kQ4_K:
+      for (int pair = 0; pair < 4; ++pair)
+        put_tile_nibble_pair(rows, at + 16 + 32 * pair, blk + 512 * pair, blk + 512 * pair + 256);
+      for (int64_t c = 0; c < kQuantTile; ++c) {
+        const uint8_t* p = rows[c] + at;
+        std::memcpy(blk + 2048 + 2 * c, p, 2);
+        std::memcpy(blk + 2080 + 2 * c, p + 2, 2);
+        for (int j = 0; j < 8; ++j) {
+          uint8_t sc, m;
+          scale_min_k4(p + 4, j, sc, m);
+          blk[2112 + 16 * j + c] = sc;
+          blk[2240 + 16 * j + c] = m;
+        }
+      }
+      return;
+    case kQ6_K:
+      // Groups g = 4h + s: s = 0, 1 take the low nibbles of ql[64h + 32s ...], s = 2, 3 the high ones.
+      for (int h = 0; h < 2; ++h)
+        for (int half = 0; half < 2; ++half)
+          put_tile_nibble_pair(rows, at + 64 * h + 32 * half, blk + 256 * (4 * h + half),
+                               blk + 256 * (4 * h + half + 2));
+      for (int g = 0; g < 8; ++g) put_tile_q6_high(rows, at + 128 + 32 * (g / 4), g % 4, blk + 2048 + 128 * g);
+      for (int64_t c = 0; c < kQuantTile; ++c) {
+        const uint8_t* p = rows[c] + at;
+        std::memcpy(blk + 3072 + 2 * c, p + 208, 2);
+        for (int sb = 0; sb < 16; ++sb) blk[3104 + 16 * sb + c] = p[192 + sb];
+      }
+      return;
     default:  // Q4_0, IQ4_NL
-      put_tile_chunks(rows, at + 2, blk, 0);
+      put_tile_codes(rows, at + 2, blk, 0);
       for (int64_t c = 0; c < kQuantTile; ++c) std::memcpy(blk + 256 + 2 * c, rows[c] + at, 2);
   }
 }
+#else
+void write_tile_direct(int64_t type, uint8_t* blk, const uint8_t* const rows[kQuantTile], int64_t at) {
+  for (int64_t c = 0; c < kQuantTile; ++c) write_direct(type, blk, c, rows[c] + at);
+}
+#endif
 
 // Maps in the pages of [p, p + n) that lie wholly inside it, ready to be written, in one call.
 //
