@@ -284,6 +284,24 @@ void put_nibble_group(uint8_t* dst, int64_t c, const uint8_t* a, bool high) {
   }
 }
 
+// Channel c's Q4_K factors from its block p: d, dmin, and each group's 6-bit scale and minimum.
+void put_q4k_factors(uint8_t* blk, int64_t c, const uint8_t* p) {
+  std::memcpy(blk + 2048 + 2 * c, p, 2);
+  std::memcpy(blk + 2080 + 2 * c, p + 2, 2);
+  for (int j = 0; j < 8; ++j) {
+    uint8_t sc, m;
+    scale_min_k4(p + 4, j, sc, m);
+    blk[2112 + 16 * j + c] = sc;
+    blk[2240 + 16 * j + c] = m;
+  }
+}
+
+// Channel c's Q6_K factors from its block p: d and the 16 sub-blocks' int8 scales.
+void put_q6k_factors(uint8_t* blk, int64_t c, const uint8_t* p) {
+  std::memcpy(blk + 3072 + 2 * c, p + 208, 2);
+  for (int sb = 0; sb < 16; ++sb) blk[3104 + 16 * sb + c] = p[192 + sb];
+}
+
 // Channel c of one block written straight from the file's block p; false for the types left to the
 // decoding path.
 bool write_direct(int64_t type, uint8_t* blk, int64_t c, const uint8_t* p) {
@@ -304,14 +322,7 @@ bool write_direct(int64_t type, uint8_t* blk, int64_t c, const uint8_t* p) {
     case kQ4_K: {
       const uint8_t* qs = p + 16;
       for (int g = 0; g < 8; ++g) put_nibble_group(blk + 256 * g, c, qs + 32 * (g / 2), g % 2 == 1);
-      std::memcpy(blk + 2048 + 2 * c, p, 2);
-      std::memcpy(blk + 2080 + 2 * c, p + 2, 2);
-      for (int j = 0; j < 8; ++j) {
-        uint8_t sc, m;
-        scale_min_k4(p + 4, j, sc, m);
-        blk[2112 + 16 * j + c] = sc;
-        blk[2240 + 16 * j + c] = m;
-      }
+      put_q4k_factors(blk, c, p);
       return true;
     }
     case kIQ4_XS: {  // d, scales_h (2 bits a scale), scales_l[4] (4 bits a scale), qs[128]: to kind IQ4X
@@ -337,8 +348,7 @@ bool write_direct(int64_t type, uint8_t* blk, int64_t c, const uint8_t* p) {
           put_word(blk + 2048 + 128 * g + 64 * half + 4 * c, word);
         }
       }
-      std::memcpy(blk + 3072 + 2 * c, p + 208, 2);
-      for (int sb = 0; sb < 16; ++sb) blk[3104 + 16 * sb + c] = p[192 + sb];
+      put_q6k_factors(blk, c, p);
       return true;
     }
     default:
@@ -445,17 +455,7 @@ void write_tile_direct(int64_t type, uint8_t* blk, const uint8_t* const rows[kQu
     case kQ4_K:
       for (int pair = 0; pair < 4; ++pair)
         put_tile_nibble_pair(rows, at + 16 + 32 * pair, blk + 512 * pair, blk + 512 * pair + 256);
-      for (int64_t c = 0; c < kQuantTile; ++c) {
-        const uint8_t* p = rows[c] + at;
-        std::memcpy(blk + 2048 + 2 * c, p, 2);
-        std::memcpy(blk + 2080 + 2 * c, p + 2, 2);
-        for (int j = 0; j < 8; ++j) {
-          uint8_t sc, m;
-          scale_min_k4(p + 4, j, sc, m);
-          blk[2112 + 16 * j + c] = sc;
-          blk[2240 + 16 * j + c] = m;
-        }
-      }
+      for (int64_t c = 0; c < kQuantTile; ++c) put_q4k_factors(blk, c, rows[c] + at);
       return;
     case kQ6_K:
       // Groups g = 4h + s: s = 0, 1 take the low nibbles of ql[64h + 32s ...], s = 2, 3 the high ones.
@@ -464,11 +464,7 @@ void write_tile_direct(int64_t type, uint8_t* blk, const uint8_t* const rows[kQu
           put_tile_nibble_pair(rows, at + 64 * h + 32 * half, blk + 256 * (4 * h + half),
                                blk + 256 * (4 * h + half + 2));
       for (int g = 0; g < 8; ++g) put_tile_q6_high(rows, at + 128 + 32 * (g / 4), g % 4, blk + 2048 + 128 * g);
-      for (int64_t c = 0; c < kQuantTile; ++c) {
-        const uint8_t* p = rows[c] + at;
-        std::memcpy(blk + 3072 + 2 * c, p + 208, 2);
-        for (int sb = 0; sb < 16; ++sb) blk[3104 + 16 * sb + c] = p[192 + sb];
-      }
+      for (int64_t c = 0; c < kQuantTile; ++c) put_q6k_factors(blk, c, rows[c] + at);
       return;
     default:  // Q4_0, IQ4_NL
       put_tile_codes(rows, at + 2, blk, 0);
