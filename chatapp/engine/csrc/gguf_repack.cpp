@@ -437,6 +437,47 @@ inline void put_tile_q6_high(const uint8_t* const rows[kQuantTile], int64_t qh_o
   }
 }
 
+// Byte i of each channel's dword (the channel's byte 4j + i of to_chunks' o[j]) as one row of 16 bytes.
+inline __m128i byte_row(__m512i dwords, int i) {
+  return _mm512_cvtepi32_epi8(_mm512_and_si512(_mm512_srli_epi32(dwords, static_cast<unsigned>(8 * i)),
+                                               _mm512_set1_epi32(0xFF)));
+}
+
+// put_q4k_factors for the 16 channels: the 12 scale bytes at rows[c] + at + 4 unpacked as scale_min_k4 does.
+inline void put_tile_q4k_factors(const uint8_t* const rows[kQuantTile], int64_t at, uint8_t* blk) {
+  for (int64_t c = 0; c < kQuantTile; ++c) {
+    std::memcpy(blk + 2048 + 2 * c, rows[c] + at, 2);
+    std::memcpy(blk + 2080 + 2 * c, rows[c] + at + 2, 2);
+  }
+  __m512i a[4], s[4];
+  load_lanes(rows, at + 4, a);  // bytes 12-15 are the codes' first: read, not used
+  to_chunks(a, s);              // s[k], channel c's dword: its scale bytes 4k..4k+3
+  const __m128i six = _mm_set1_epi8(63), low4 = _mm_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 2112 + 16 * j), _mm_and_si128(byte_row(s[0], j), six));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 2240 + 16 * j), _mm_and_si128(byte_row(s[1], j), six));
+    // j + 4: sc = (s[j + 8] & 15) | (s[j] >> 6) << 4, m = s[j + 8] >> 4 | (s[j + 4] >> 6) << 4
+    const __m128i hi = byte_row(s[2], j);
+    const __m128i top_sc = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(byte_row(s[0], j), 6), _mm_set1_epi8(3)), 4);
+    const __m128i top_m = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(byte_row(s[1], j), 6), _mm_set1_epi8(3)), 4);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 2112 + 16 * (j + 4)),
+                     _mm_or_si128(_mm_and_si128(hi, low4), top_sc));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 2240 + 16 * (j + 4)),
+                     _mm_or_si128(_mm_and_si128(_mm_srli_epi16(hi, 4), low4), top_m));
+  }
+}
+
+// put_q6k_factors for the 16 channels: the 16 int8 scales at rows[c] + at + 192 transposed to [sub-block][c].
+inline void put_tile_q6k_factors(const uint8_t* const rows[kQuantTile], int64_t at, uint8_t* blk) {
+  for (int64_t c = 0; c < kQuantTile; ++c) std::memcpy(blk + 3072 + 2 * c, rows[c] + at + 208, 2);
+  __m512i a[4], s[4];
+  load_lanes(rows, at + 192, a);
+  to_chunks(a, s);
+  for (int k = 0; k < 4; ++k)
+    for (int i = 0; i < 4; ++i)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 3104 + 16 * (4 * k + i)), byte_row(s[k], i));
+}
+
 // Block b of a whole tile (rows: its 16 channels' rows, at: the block's offset in each) of a tile_direct type.
 void write_tile_direct(int64_t type, uint8_t* blk, const uint8_t* const rows[kQuantTile], int64_t at) {
   switch (type) {
@@ -455,7 +496,7 @@ void write_tile_direct(int64_t type, uint8_t* blk, const uint8_t* const rows[kQu
     case kQ4_K:
       for (int pair = 0; pair < 4; ++pair)
         put_tile_nibble_pair(rows, at + 16 + 32 * pair, blk + 512 * pair, blk + 512 * pair + 256);
-      for (int64_t c = 0; c < kQuantTile; ++c) put_q4k_factors(blk, c, rows[c] + at);
+      put_tile_q4k_factors(rows, at, blk);
       return;
     case kQ6_K:
       // Groups g = 4h + s: s = 0, 1 take the low nibbles of ql[64h + 32s ...], s = 2, 3 the high ones.
@@ -464,7 +505,7 @@ void write_tile_direct(int64_t type, uint8_t* blk, const uint8_t* const rows[kQu
           put_tile_nibble_pair(rows, at + 64 * h + 32 * half, blk + 256 * (4 * h + half),
                                blk + 256 * (4 * h + half + 2));
       for (int g = 0; g < 8; ++g) put_tile_q6_high(rows, at + 128 + 32 * (g / 4), g % 4, blk + 2048 + 128 * g);
-      for (int64_t c = 0; c < kQuantTile; ++c) put_q6k_factors(blk, c, rows[c] + at);
+      put_tile_q6k_factors(rows, at, blk);
       return;
     default:  // Q4_0, IQ4_NL
       put_tile_codes(rows, at + 2, blk, 0);
