@@ -34,6 +34,14 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), attn))
 
 
+def test_asking_a_checkpoint_for_gguf_types_is_refused_by_name(tmp_path: Path) -> None:
+    """quantization="gguf" keeps a GGUF file's own blocks: a safetensors checkpoint has none, and used to
+    load unquantized without a word."""
+    path = make_tiny_model(tmp_path / "m", num_layers=2)
+    with pytest.raises(ValueError, match=r"quantization='gguf'.* m is not a GGUF file: use auto, int4, int8 or None"):
+        LLM(str(path), device="cpu", quantization="gguf", kv_cache_memory_gib=0.01)
+
+
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
 def test_int8_quantized_while_loading_equals_quantizing_the_whole_float_model(tmp_path: Path, arch: str) -> None:
     """The layer-by-layer calibration and quantization give the very bits of the whole-model pass."""

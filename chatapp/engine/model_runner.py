@@ -101,6 +101,12 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, config: ResolvedConfig, source: ModelSource) -> None:
         self.config = config  # resolved and frozen; what this runner decides is on the runner itself
+        if config.quantization == "gguf" and source.gguf is None:
+            # Asked for a GGUF file's own blocks, a checkpoint of floats would otherwise run unquantized.
+            raise ValueError(
+                f"quantization='gguf' keeps a GGUF file's own weight types, and {source.path.name} is not a "
+                "GGUF file: use auto, int4, int8 or None"
+            )
         self.quantization: str | None = config.quantization  # "auto" becomes what was applied
         self.mc = source.config
         self.device = config.torch_device()
