@@ -21,6 +21,7 @@ import numpy as np
 from chatapp.engine.array_sampler import ArraySampler, token_logprobs
 from chatapp.engine.config import ResolvedConfig
 from chatapp.engine.cpu_load import CpuLoadMonitor
+from chatapp.engine.huge_pages import WeightArena, collapse_in_background, weight_arena_bytes
 from chatapp.engine.models.array_model import ArrayModel, load_array_model
 from chatapp.engine.models.gguf_weights import native_weight_bytes
 from chatapp.engine.models.source import ModelSource
@@ -92,8 +93,11 @@ class ArrayRunner:
         self.num_blocks = cpu_kv_blocks(config, self.bytes_per_block(), self.weight_bytes)
         check_fits(self.weight_bytes, self.num_blocks * self.bytes_per_block(), mc)
         start = time.perf_counter()
-        self.model: ArrayModel = load_array_model(source.gguf, mc, config.max_model_len, ext)
+        self.weight_arena = WeightArena(weight_arena_bytes(source.gguf, self.weight_bytes))
+        self.model: ArrayModel = load_array_model(source.gguf, mc, config.max_model_len, ext, self.weight_arena)
         log.info("loaded %s weights (gguf) in %.2f s", mc.architecture, time.perf_counter() - start)
+        if config.huge_pages:
+            collapse_in_background(self.weight_arena, source.gguf.path.name)
         self.sampler = ArraySampler()
         self.kv_caches = self._allocate_kv_caches()
         self._k_caches = [k for k, _ in self.kv_caches]

@@ -77,6 +77,9 @@ class EngineConfig:
     host's own thread, so there is nothing to hide. True turns it on anywhere (tests do on the CPU)."""
     cpu_kernels: bool = True
     """On the CPU in float32, run the model through our C++ layer loop (built on first use)."""
+    huge_pages: bool = True
+    """Once a GGUF model has loaded on the CPU, move its packed weights into 2 MB pages in the background
+    (Linux; huge_pages.py): decoding reads them faster."""
     runner: str = "auto"
     """auto: a GGUF file on the CPU with our kernels runs on the torch-free runner (array_runner.py:
     the engine starts ~1 s sooner, without importing torch), everything else on the torch runner
@@ -167,6 +170,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             attention_backend=backend,
             cpu_kernels=self.cpu_kernels,
+            huge_pages=self.huge_pages,
             runner=self.runner,
             cuda_graphs=self.cuda_graphs and on_gpu,
             overlap_steps=on_gpu if self.overlap_steps is None else self.overlap_steps,
@@ -206,6 +210,7 @@ class ResolvedConfig:
     attention_backend: str
     """torch or triton."""
     cpu_kernels: bool
+    huge_pages: bool
     runner: str
     """auto, array or torch (EngineConfig.runner)."""
     cuda_graphs: bool

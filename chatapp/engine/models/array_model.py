@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from chatapp.engine.huge_pages import WeightArena
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gguf_file import GGUFModelFile, GGUFTensor
 from chatapp.engine.models.gguf_weights import GGUFWeights, check_embedding, check_layer_count, dequantize_rows
@@ -86,10 +87,13 @@ class ArrayModel:
         return logits
 
 
-def load_array_model(gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, ext: ModuleType) -> ArrayModel:
-    """Read the file into the extension's CpuModel (weights shared with the arrays, not copied)."""
+def load_array_model(
+    gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, ext: ModuleType, arena: WeightArena | None = None
+) -> ArrayModel:
+    """Read the file into the extension's CpuModel (weights shared with the arrays, not copied), the packed
+    weights carved from ``arena`` where one is given."""
     check_layer_count(gguf, mc)
-    weights = GGUFWeights(gguf, mc)
+    weights = GGUFWeights(gguf, mc, arena)
     cpu = ext.CpuModel(
         mc.num_heads,
         mc.num_kv_heads,

@@ -26,9 +26,9 @@ from chatapp.engine.block_kinds import (
     packed_bytes,
     packs,
 )
+from chatapp.engine.huge_pages import WeightArena, mapped_zeros
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
-from chatapp.engine.step_inputs import untouched_zeros
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,12 @@ def dequantize_rows(tensor: GGUFTensor, rows: np.ndarray | slice = slice(None)) 
 class GGUFWeights:
     """Named weights of one model file, each read when asked for and its file pages dropped after."""
 
-    def __init__(self, gguf: GGUFModelFile, mc: ModelConfig) -> None:
+    def __init__(self, gguf: GGUFModelFile, mc: ModelConfig, arena: WeightArena | None = None) -> None:
         self.gguf, self.mc = gguf, mc
+        self.arena = arena  # where packings go (huge_pages.py); None: a mapping each
+
+    def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        return self.arena.zeros(shape) if self.arena is not None else mapped_zeros(shape)
 
     def raw(self, name: str, heads: int | None = None) -> GGUFTensor:
         """A tensor, its rows put back in Hugging Face order when the converter permuted them (a copy)."""
@@ -243,7 +247,7 @@ class GGUFWeights:
                 packed.append((self.float_rows(tensors[i], parts[i][2]), kind, parts[i][1]))
                 continue
             tiles = [-(-parts[i][1] // TILE) for i in group]
-            out = _mapped_zeros((sum(tiles), k // block_inputs(kind), TILE_BYTES[kind]))
+            out = self._zeros((sum(tiles), k // block_inputs(kind), TILE_BYTES[kind]))
             start = 0
             for i, n_tiles in zip(group, tiles):
                 tensor, order = tensors[i], self.row_order(tensors[i], parts[i][2])
@@ -268,21 +272,10 @@ class GGUFWeights:
         order = self.row_order(tensor, heads)
         if order is None:
             return tensor.data
-        rows = _mapped_zeros(tensor.data.shape)
+        rows = self._zeros(tensor.data.shape)
         np.take(tensor.data, order, axis=0, out=rows)
         self.gguf.release(tensor)
         return rows
-
-
-def _mapped_zeros(shape: tuple[int, ...]) -> np.ndarray:
-    """A zeroed uint8 array in an anonymous mapping of its own.
-
-    Why not np.zeros: numpy asks for transparent huge pages on big arrays, and where the kernel
-    compacts memory to find them (THP defrag "madvise", as on this VM) the first touch of 690 MB
-    took 1.7 s against 0.35 s here; the repack's threads then fault the pages in between them (a 1B
-    Q4_K_M file loaded in 0.36 s against 1.36 s, and 0.43 s with the pages populated up front)."""
-    size = int(np.prod(shape))
-    return np.frombuffer(untouched_zeros(size), dtype=np.uint8, count=size).reshape(shape)
 
 
 def unpermute_rows(rows: int, heads: int) -> np.ndarray:
