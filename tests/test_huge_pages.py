@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 
 from chatapp.engine import LLM, SamplingParams
-from chatapp.engine.huge_pages import HUGE_PAGE, SLICE_ALIGN, WeightArena, collapse, wait_for_collapses
+from chatapp.engine.huge_pages import (
+    BUSY_PAGE_INTERVAL_S,
+    HUGE_PAGE,
+    IDLE_AFTER_S,
+    SLICE_ALIGN,
+    Pacer,
+    WeightArena,
+    collapse,
+    wait_for_collapses,
+)
 from tests.gguf_models import write_llama_gguf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -85,6 +94,68 @@ def test_collapse_stops_once_the_model_is_unloaded() -> None:
     gc.collect()
     report = collapse(mapping, address, length)
     assert (report.collapsed, report.stopped) == (0, "the model was unloaded")
+
+
+class FakeEngine:
+    """An engine's idle signal on a fake clock: sleeping advances the clock and may end or start a step."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.step_end: float | None = None  # None: stepping
+        self.slept: list[float] = []
+
+    def idle_seconds(self) -> float:
+        return 0.0 if self.step_end is None else self.now - self.step_end
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_pacer_lets_pages_go_at_once_while_the_engine_idles_and_one_per_interval_while_it_computes() -> None:
+    engine = FakeEngine()
+    engine.step_end = engine.now - IDLE_AFTER_S  # idle long enough
+    pacer = Pacer(engine.idle_seconds, clock=lambda: engine.now, sleep=engine.sleep)
+    for _ in range(5):
+        pacer.wait()
+    assert engine.slept == []  # idle: page after page
+    engine.step_end = None  # a step runs (and keeps running)
+    start = engine.now
+    pacer.wait()
+    assert engine.now - start == pytest.approx(BUSY_PAGE_INTERVAL_S, abs=0.03)
+    pacer.wait()
+    assert engine.now - start == pytest.approx(2 * BUSY_PAGE_INTERVAL_S, abs=0.06)
+    engine.step_end = engine.now  # the step just ended: not idle yet, but a page is due soon
+    before = engine.now
+    pacer.wait()
+    assert 0 < engine.now - before <= BUSY_PAGE_INTERVAL_S + 0.03
+
+
+def test_pacer_reads_an_unloaded_engine_as_idle() -> None:
+    engine, slept = FakeEngine(), []
+    engine.step_end = None  # stepping when it was unloaded
+    pacer = Pacer(engine.idle_seconds, clock=lambda: 100.0, sleep=slept.append)
+    del engine  # the pacer held it weakly
+    gc.collect()
+    pacer.wait()  # at once (a clock that never moves would wait forever otherwise)
+    assert slept == []
+
+
+def test_the_array_runner_reads_as_busy_while_it_steps(tmp_path: Path) -> None:
+    path = write_llama_gguf(tmp_path / "tiny.gguf", mix="Q8_0", seed=1)
+    llm = LLM(str(path), kv_cache_memory_gib=0.02, runner="array", huge_pages=False)
+    runner = llm.core.runner
+    seen: list[float] = []
+    forward = runner._forward
+
+    def watched(flat: object) -> object:
+        seen.append(runner.idle_seconds())
+        return forward(flat)
+
+    runner._forward = watched
+    llm.generate(["Hello"], GREEDY)
+    assert seen and all(s == 0.0 for s in seen)
+    assert 0.0 < runner.idle_seconds() < 5.0
 
 
 def test_an_engines_weights_go_into_huge_pages_and_its_answers_stay_the_same(tmp_path: Path) -> None:
