@@ -134,10 +134,16 @@ def test_pacer_lets_pages_go_at_once_while_the_engine_idles_and_one_per_interval
 def test_pacer_reads_an_unloaded_engine_as_idle() -> None:
     engine, slept = FakeEngine(), []
     engine.step_end = None  # stepping when it was unloaded
-    pacer = Pacer(engine.idle_seconds, clock=lambda: 100.0, sleep=slept.append)
+
+    def sleep(seconds: float) -> None:  # the clock never moves: a pacer that waited would wait forever
+        slept.append(seconds)
+        if len(slept) > 100:
+            pytest.fail("the pacer waits on an unloaded engine")
+
+    pacer = Pacer(engine.idle_seconds, clock=lambda: 100.0, sleep=sleep)
     del engine  # the pacer held it weakly
     gc.collect()
-    pacer.wait()  # at once (a clock that never moves would wait forever otherwise)
+    pacer.wait()
     assert slept == []
 
 
