@@ -1,14 +1,14 @@
 """A model's packed weights in one mapping, moved into 2 MB pages once the model has loaded.
 
-Why: a decode step reads every weight once. In 4 KB pages that is ~170,000 pages a token for a 1B model,
-each a TLB miss, and the hardware prefetchers stop at every page's end; in 2 MB pages the same engine
-decoded a 1B Q4_K_M file ~5% faster (README, twenty-fifth session). Why not ask for huge pages before
-the weights are first written (MADV_HUGEPAGE): on this VM the first touch of 700 MB in fresh 2 MB pages
+Why: a decode step reads every weight once. In 4 KB pages that is ~170,000 pages a token for a 1B model, each
+a TLB miss, and the hardware prefetchers stop at every page's end; in 2 MB pages the same engine decoded the
+1B files 4-15% faster, alternated round by round (README, twenty-fifth session). Why not ask for huge pages
+before the weights are first written (MADV_HUGEPAGE): on this VM the first touch of 700 MB in fresh 2 MB pages
 took anywhere from 0.02 to 0.84 s (the host backs them on demand), against ~0.12 s in small pages, and a
 start-up is what the user waits on. So the weights load into small pages, and afterwards a thread at the
-lowest priority asks the kernel to collapse them, 2 MB at a time (MADV_COLLAPSE, Linux 6.1). The bytes
-never change, so the model runs throughout; the thread yields to any work, and stops when the model is
-unloaded or memory is short.
+lowest priority asks the kernel to collapse them, 2 MB at a time (MADV_COLLAPSE, Linux 6.1). The bytes never
+change, so the model runs throughout; the thread works while the engine idles (Pacer), and stops when the
+model is unloaded or memory is short.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ SLICE_ALIGN = 4096  # each slice starts on its own page: the repack maps whole p
 MADV_COLLAPSE = 25  # <linux/mman.h>; Python's mmap module does not name it
 _LOWEST_PRIORITY = 19
 # The collapse waits this long after the load: what follows it (the engine's last start-up steps, the first
-# /health, often a first request) is what the user waits on, and a collapse holds the process's memory-map lock
-# while it copies, which any mapping made meanwhile waits for.
+# /health, often a first request) is what the user waits on, and a collapse competes with it for the cores and
+# for the process's memory-map lock (first starts alternated: 0.705 s against 0.693 without the wait, 0.701
+# against 0.702 with it).
 START_DELAY_S = 1.0
 # While the engine computes, a page at most this often. Collapsing beside a running decode slows it: at ten
 # pages a second a 1B Q4_K_M decode ran 5-6% slower (16 alternated windows of 48 tokens, at nice 0 and 19
@@ -162,6 +163,7 @@ def collapse_in_background(arena: WeightArena, name: str, pacer: Pacer | None = 
         daemon=True,
     )
     thread.start()
+    _collapsers[:] = [t for t in _collapsers if t.is_alive()]  # an engine loads model after model
     _collapsers.append(thread)
     return thread
 
