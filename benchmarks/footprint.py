@@ -90,6 +90,7 @@ def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool, cw
             time.sleep(0.02)
         out["start_s"] = time.perf_counter() - start
         if measure:
+            loaded = _tree_rss(psutil.Process(popen.pid))  # kept in case the chat ends the server
             try:
                 _chat(port)
             except OSError as exc:  # ik_llama.cpp's server aborts on a random-weight model's invalid UTF-8
@@ -97,9 +98,15 @@ def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool, cw
                 print(f"  (the chat failed: {exc}; RSS is read without it)", flush=True)
             time.sleep(0.5)
             out["rss_bytes"], out["rss_parts"] = _tree_rss(psutil.Process(popen.pid))
+            if not out["rss_bytes"]:
+                print("  (the server exited after the chat: RSS as it stood once loaded)", flush=True)
+                out["rss_bytes"], out["rss_parts"] = loaded
         return out
     finally:
-        children = psutil.Process(popen.pid).children(recursive=True)
+        try:
+            children = psutil.Process(popen.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
         popen.terminate()
         try:
             popen.wait(30)
