@@ -16,10 +16,12 @@ import pytest
 from chatapp.engine import LLM, SamplingParams
 from chatapp.engine.huge_pages import (
     BUSY_PAGE_INTERVAL_S,
+    ENGINE_STEPS,
     HUGE_PAGE,
     IDLE_AFTER_S,
     SLICE_ALIGN,
     Pacer,
+    StepActivity,
     WeightArena,
     collapse,
     wait_for_collapses,
@@ -97,7 +99,7 @@ def test_collapse_stops_once_the_model_is_unloaded() -> None:
 
 
 class FakeEngine:
-    """An engine's idle signal on a fake clock: sleeping advances the clock and may end or start a step."""
+    """An engine's idle signal on a fake clock: sleeping advances the clock."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -131,23 +133,26 @@ def test_pacer_lets_pages_go_at_once_while_the_engine_idles_and_one_per_interval
     assert 0 < engine.now - before <= BUSY_PAGE_INTERVAL_S + 0.03
 
 
-def test_pacer_reads_an_unloaded_engine_as_idle() -> None:
-    engine, slept = FakeEngine(), []
-    engine.step_end = None  # stepping when it was unloaded
+def test_step_activity_is_busy_while_any_models_step_runs() -> None:
+    now = [10.0]
+    steps = StepActivity(clock=lambda: now[0])
+    now[0] = 11.0
+    assert steps.idle_seconds() == 1.0
+    with steps.step():  # model A's step
+        assert steps.idle_seconds() == 0.0
+        with steps.step():  # model B's, beside it
+            now[0] = 12.0
+        assert steps.idle_seconds() == 0.0  # A still runs
+        now[0] = 13.0
+    now[0] = 13.5
+    assert steps.idle_seconds() == 0.5
+    with pytest.raises(RuntimeError), steps.step():  # a step that fails still ends
+        raise RuntimeError
+    now[0] = 14.0
+    assert steps.idle_seconds() == 0.5
 
-    def sleep(seconds: float) -> None:  # the clock never moves: a pacer that waited would wait forever
-        slept.append(seconds)
-        if len(slept) > 100:
-            pytest.fail("the pacer waits on an unloaded engine")
 
-    pacer = Pacer(engine.idle_seconds, clock=lambda: 100.0, sleep=sleep)
-    del engine  # the pacer held it weakly
-    gc.collect()
-    pacer.wait()
-    assert slept == []
-
-
-def test_the_array_runner_reads_as_busy_while_it_steps(tmp_path: Path) -> None:
+def test_the_engine_reads_as_busy_while_a_model_steps(tmp_path: Path) -> None:
     path = write_llama_gguf(tmp_path / "tiny.gguf", mix="Q8_0", seed=1)
     llm = LLM(str(path), kv_cache_memory_gib=0.02, runner="array", huge_pages=False)
     runner = llm.core.runner
@@ -155,13 +160,14 @@ def test_the_array_runner_reads_as_busy_while_it_steps(tmp_path: Path) -> None:
     forward = runner._forward
 
     def watched(flat: object) -> object:
-        seen.append(runner.idle_seconds())
+        seen.append(ENGINE_STEPS.idle_seconds())
         return forward(flat)
 
     runner._forward = watched
     llm.generate(["Hello"], GREEDY)
-    assert seen and all(s == 0.0 for s in seen)
-    assert 0.0 < runner.idle_seconds() < 5.0
+    llm.core.embed([[1, 2, 3, 4]])  # embeddings run a forward too
+    assert len(seen) == GREEDY.max_tokens + 1 and all(s == 0.0 for s in seen)
+    assert 0.0 < ENGINE_STEPS.idle_seconds() < 5.0
 
 
 def test_an_engines_weights_go_into_huge_pages_and_its_answers_stay_the_same(tmp_path: Path) -> None:

@@ -12,10 +12,8 @@ int8/int4 quantization, overlapped steps) EngineCore builds that one instead (ru
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from types import ModuleType
 
 import numpy as np
@@ -98,9 +96,8 @@ class ArrayRunner:
         self.weight_arena = WeightArena(weight_arena_bytes(source.gguf, self.weight_bytes))
         self.model: ArrayModel = load_array_model(source.gguf, mc, config.max_model_len, ext, self.weight_arena)
         log.info("loaded %s weights (gguf) in %.2f s", mc.architecture, time.perf_counter() - start)
-        self._stepping, self._last_step_end = False, time.monotonic()
         if config.huge_pages:
-            collapse_in_background(self.weight_arena, source.gguf.path.name, Pacer(self.idle_seconds))
+            collapse_in_background(self.weight_arena, source.gguf.path.name, Pacer())
         self.sampler = ArraySampler()
         self.kv_caches = self._allocate_kv_caches()
         self._k_caches = [k for k, _ in self.kv_caches]
@@ -123,24 +120,8 @@ class ArrayRunner:
 
     # -- one step -----------------------------------------------------------
 
-    def idle_seconds(self) -> float:
-        """Seconds since the last step ended; 0 while one runs (the huge-page collapse paces itself by it)."""
-        return 0.0 if self._stepping else time.monotonic() - self._last_step_end
-
-    @contextlib.contextmanager
-    def _computing(self) -> Iterator[None]:
-        self._stepping = True
-        try:
-            yield
-        finally:
-            self._stepping, self._last_step_end = False, time.monotonic()
-
     def execute(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> StepResult:
         """Run one forward over the batch and sample where a request reached its end."""
-        with self._computing():
-            return self._execute(batch, block_ids)
-
-    def _execute(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> StepResult:
         flat = flatten_batch(batch, block_ids, self.block_size)
         start = time.perf_counter()
         hidden = self._forward(flat)
@@ -155,8 +136,7 @@ class ArrayRunner:
     def hidden_states(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> list[np.ndarray]:
         """Final hidden states of each request's new tokens (for embeddings), in batch order."""
         flat = flatten_batch(batch, block_ids, self.block_size)
-        with self._computing():
-            hidden = self._forward(flat)
+        hidden = self._forward(flat)
         starts = flat.query_start.tolist()
         by_request = {r.request_id: hidden[starts[i] : starts[i + 1]] for i, r in enumerate(flat.requests)}
         return [by_request[r.request_id] for r in batch.requests]

@@ -27,6 +27,7 @@ import numpy as np
 from chatapp.engine.api import EngineBusyError, EngineStats, context_length_error  # noqa: F401  (re-exported)
 from chatapp.engine.config import EngineConfig, ResolvedConfig
 from chatapp.engine.guided import GrammarWorker, GuidedDecodingError
+from chatapp.engine.huge_pages import ENGINE_STEPS
 from chatapp.engine.kv_manager import KVCacheManager
 from chatapp.engine.model_ref import ModelRef, resolve_model_spec
 from chatapp.engine.models.config import ModelConfig
@@ -194,7 +195,8 @@ class EngineCore:
             if self._compiling:  # nothing to run until a grammar compiles: wait for one, briefly
                 futures.wait([f for _r, f in self._compiling.values()], 0.005, futures.FIRST_COMPLETED)
             return outputs
-        result = self.runner.execute(batch, self._block_ids(batch))
+        with ENGINE_STEPS.step():  # a huge-page collapse waits while any model computes (huge_pages.py)
+            result = self.runner.execute(batch, self._block_ids(batch))
         update = self.scheduler.update_from_output(
             batch, result.sampled_requests, result.sampled.token_ids, result.sampled.logprobs, result.prompt_logprobs
         )
@@ -270,7 +272,8 @@ class EngineCore:
                 raise EngineBusyError("the KV cache is full right now; retry the embedding request shortly")
             try:
                 batch = ScheduledBatch([req], [len(ids)])
-                hidden = self.runner.hidden_states(batch, {req.request_id: self.kv.block_ids(req.request_id)})[0]
+                with ENGINE_STEPS.step():
+                    hidden = self.runner.hidden_states(batch, {req.request_id: self.kv.block_ids(req.request_id)})[0]
             finally:
                 self.kv.free(req.request_id)
             vectors.append(_unit_mean(hidden if isinstance(hidden, np.ndarray) else hidden.float().cpu().numpy()))

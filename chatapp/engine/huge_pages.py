@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,29 +117,55 @@ class CollapseReport:
     seconds: float = 0.0
 
 
-class Pacer:
-    """Holds each page back while the engine computes (see BUSY_PAGE_INTERVAL_S).
+class StepActivity:
+    """Whether this process's engine is computing, over every model it holds: collapsing one model's weights
+    slows another model's decode as much as its own (compare mode runs several at once)."""
 
-    ``idle_seconds`` says how long the engine has gone without a step (0 during one); it is held weakly, so
-    that the collapse keeps no unloaded model alive (a dead one reads as idle: the collapse then stops)."""
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._running = 0
+        self._last_end = clock()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Around each forward (core.py)."""
+        with self._lock:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._last_end = self._clock()
+
+    def idle_seconds(self) -> float:
+        """Seconds since the last step ended; 0 while one runs."""
+        with self._lock:
+            return 0.0 if self._running else self._clock() - self._last_end
+
+
+ENGINE_STEPS = StepActivity()
+
+
+class Pacer:
+    """Holds each page back while the engine computes (see BUSY_PAGE_INTERVAL_S); ``idle_seconds`` says how
+    long it has gone without a step (0 during one)."""
 
     def __init__(
         self,
-        idle_seconds: Callable[[], float],
+        idle_seconds: Callable[[], float] = ENGINE_STEPS.idle_seconds,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self._idle_seconds = weakref.WeakMethod(idle_seconds)
-        self._clock, self._sleep = clock, sleep
+        self._idle_seconds, self._clock, self._sleep = idle_seconds, clock, sleep
         self._last_page = clock()
 
     def wait(self) -> None:
         """Return when the next page may go: the engine idles, or a busy interval has passed since the last."""
         while True:
             now = self._clock()
-            idle_seconds = self._idle_seconds()
-            idle = idle_seconds is None or idle_seconds() >= IDLE_AFTER_S
-            if idle or now - self._last_page >= BUSY_PAGE_INTERVAL_S:
+            if self._idle_seconds() >= IDLE_AFTER_S or now - self._last_page >= BUSY_PAGE_INTERVAL_S:
                 self._last_page = now
                 return
             self._sleep(_POLL_S)
