@@ -423,6 +423,35 @@ def test_byte_level_gguf_tokenizer_files_match_transformers_build(variant: str, 
 
 
 @pytest.mark.parametrize(
+    ("changes", "byte_level"),
+    [
+        ({}, True),
+        ({"model": "llama"}, False),
+        ({"pre": "deepseek-llm"}, False),
+        ({"drop": ("tokenizer.ggml.pre",)}, True),
+    ],
+    ids=["byte-level", "sentencepiece", "other-split", "no-split-named"],
+)
+def test_the_tokenizer_kind_is_read_without_walking_the_vocabulary(
+    changes: dict, byte_level: bool, tmp_path: Path
+) -> None:
+    """The engine's launch asks only which kind a file's tokenizer is (start_tokenizer_build): its header is read
+    up to the kind's fields, not through the vocabulary and merges after them, with the whole read's answer.
+    A file that lacks one of them is read to its end."""
+    from chatapp.engine.gguf_tokenizer import KIND_KEYS, is_byte_level_bpe
+    from chatapp.engine.models.gguf_file import read_tokenizer_metadata
+
+    gguf = _tokenizer_only_gguf(tmp_path / "kind.gguf", **changes)
+    whole, kind = read_tokenizer_metadata(gguf), read_tokenizer_metadata(gguf, until=KIND_KEYS)
+    assert "tokenizer.ggml.tokens" in whole and "tokenizer.ggml.merges" in whole
+    assert is_byte_level_bpe(kind) == is_byte_level_bpe(whole) == byte_level
+    if all(key in whole for key in KIND_KEYS):
+        assert "tokenizer.ggml.tokens" not in kind and "tokenizer.ggml.merges" not in kind
+    else:
+        assert kind == whole
+
+
+@pytest.mark.parametrize(
     "changes",
     [{"model": "llama"}, {"pre": "deepseek-llm"}, {"raw_token": (7000, "→ arrow")}],
     ids=["sentencepiece", "other-split", "merges-naming-a-missing-token"],

@@ -93,9 +93,13 @@ class ByteLevelTokenizer:
             (out / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
 
 
+KIND_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre")
+"""The metadata is_byte_level_bpe reads (read_tokenizer_metadata's `until`: they precede the vocabulary)."""
+
+
 def is_byte_level_bpe(fields: dict[str, Any]) -> bool:
     """Whether a file's metadata names a tokenizer this module builds: byte-level BPE with a split rule
-    it knows (the rest go to transformers)."""
+    it knows (the rest go to transformers); the fields of KIND_KEYS are enough."""
     pre = fields.get("tokenizer.ggml.pre") or ""
     return fields.get("tokenizer.ggml.model") == "gpt2" and (pre in _SPLITS or pre in _GPT2_SPLIT_PRES)
 

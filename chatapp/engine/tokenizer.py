@@ -179,10 +179,10 @@ def start_tokenizer_build(path: Path) -> subprocess.Popen[bytes] | None:
     path = metadata_part(Path(path))
     if not is_gguf_path(path) or (gguf_tokenizer_cache(path) / "tokenizer.json").exists():
         return None
-    from chatapp.engine.gguf_tokenizer import is_byte_level_bpe
+    from chatapp.engine.gguf_tokenizer import KIND_KEYS, is_byte_level_bpe
     from chatapp.engine.models.gguf_file import read_tokenizer_metadata
 
-    if is_byte_level_bpe(read_tokenizer_metadata(path)):
+    if is_byte_level_bpe(read_tokenizer_metadata(path, until=KIND_KEYS)):
         return None
     # OpenBLAS's threads (numpy, in the transformers fallback) would spin on the core the engine loads on.
     env = {"OPENBLAS_NUM_THREADS": "1", **os.environ}
