@@ -1,0 +1,246 @@
+// A design study for benchmarks/native_layout.py, not engine code: a one-row (decode) Q4_K linear that reads a
+// GGUF file's own blocks in place, computing every output with the float steps of our tile kernel
+// (chatapp/engine/csrc/kquant.cpp), so that its bits equal block_linear's on the repacked weights.
+//
+// Why it is worth measuring: a first start spends ~0.5 CPU-s of its ~1.3 making the packed copy of the weights
+// (fresh pages and the repack); reading the file's blocks in place would skip it, if decode kept its speed.
+//
+// How, for 16 rows at a time (K / 256 super-blocks of 144 bytes a row):
+//  1. in file order (the 16 rows are one contiguous run of memory, one stream for the prefetchers), each row's
+//     super-block: two 64-byte loads of its 4-bit codes, four VNNI dots against the activations arranged in the
+//     order the codes lie (low nibbles of bytes 0-31 are inputs 0-31, of bytes 32-63 inputs 64-95, ...), and a
+//     reduction of the four registers to the 8 groups' exact int32 dots; its 16 header bytes are kept too;
+//  2. per super-block, the 16 rows' dots and headers transposed into registers (one lane a row), and the tile
+//     kernel's float steps run for the 16 lanes at once: fsum = fma chain over the 8 groups in order, then
+//     y = fma(fsum, d * dx, y) and y = fnmadd(imin, dmin * dx, y).
+#include <immintrin.h>
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int64_t kBlockBytes = 144;  // Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128 of codes
+constexpr int64_t kPrefetch = 4096;   // bytes ahead in the stream (18 KB and 4 KB measured alike; none: ~10% slower)
+
+float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// The 8 scales and 8 minimums of a Q4_K block's 12 scale bytes (6 bits each).
+void scales_mins(const uint8_t* q, int32_t sc[8], int32_t m[8]) {
+  for (int j = 0; j < 4; ++j) sc[j] = q[j] & 63, m[j] = q[j + 4] & 63;
+  for (int j = 4; j < 8; ++j) {
+    sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The activations as the tile kernel quantizes them (per 256: int8 codes, scale amax / 127, sums of 16), plus
+// the codes in the order a block's two 64-byte code loads meet them.
+struct Activations {
+  std::vector<int8_t> q, in_code_order;
+  std::vector<float> dx;
+  std::vector<int32_t> sum16;
+
+  Activations(const float* x, int64_t k) : q(k), in_code_order(k), dx(k / 256), sum16(k / 16) {
+    for (int64_t b = 0; b < k / 256; ++b) {
+      const float* xb = x + b * 256;
+      int8_t* qb = q.data() + b * 256;
+      __m512 m = _mm512_setzero_ps();
+      for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+      const float amax = _mm512_reduce_max_ps(m);
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      for (int i = 0; i < 256; i += 16) {
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i), _mm512_cvtsepi32_epi8(v));
+        sum16[b * 16 + i / 16] = _mm512_reduce_add_epi32(v);
+      }
+      dx[b] = amax / 127.f;
+      // Codes bytes 32j..32j+31 hold inputs 64j..64j+31 (low nibbles) and 64j+32..64j+63 (high nibbles).
+      static constexpr int kFrom[8] = {0, 64, 32, 96, 128, 192, 160, 224};
+      for (int part = 0; part < 8; ++part) std::memcpy(in_code_order.data() + b * 256 + 32 * part, qb + kFrom[part], 32);
+    }
+  }
+};
+
+// One row, one value at a time, in the tile kernel's float steps: the reference the fast loop is held to.
+float row_reference(const uint8_t* row, int64_t blocks, const Activations& a) {
+  float f = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * kBlockBytes;
+    int32_t sc[8], m[8];
+    scales_mins(blk + 4, sc, m);
+    float fsum = 0.f;
+    int32_t imin = 0;
+    for (int g = 0; g < 8; ++g) {
+      int32_t dot = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int e = 32 * g + i;
+        const uint8_t byte = blk[16 + 32 * (e / 64) + e % 32];
+        dot += ((g % 2) ? byte >> 4 : byte & 15) * a.q[b * 256 + e];
+      }
+      fsum = std::fma(static_cast<float>(dot), static_cast<float>(sc[g]), fsum);
+      imin += m[g] * a.sum16[b * 16 + 2 * g] + m[g] * a.sum16[b * 16 + 2 * g + 1];
+    }
+    f = std::fma(fsum, half_to_float(blk) * a.dx[b], f);
+    f = std::fma(-static_cast<float>(imin), half_to_float(blk + 2) * a.dx[b], f);
+  }
+  return f;
+}
+
+// 16 rows x `width` int32 (row-major) -> `width` registers, register s holding column s of the 16 rows; by
+// permutes (a gather per register was ~20% slower overall).
+template <int width>
+struct Transpose {
+  static_assert(width == 4 || width == 8);
+  __m512i index[3][2];
+  Transpose() {
+    alignas(64) int32_t t[16];
+    // Level 1: two registers of 16 / width rows each -> width / 2 columns... for width 8: 4 rows, 4 columns.
+    constexpr int rows1 = 16 / width * 2, cols1 = 16 / rows1;
+    for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < cols1; ++c)
+        for (int r = 0; r < rows1; ++r) t[c * rows1 + r] = (r < rows1 / 2 ? 0 : 16) + (r % (rows1 / 2)) * width + h * cols1 + c;
+      index[0][h] = _mm512_load_si512(t);
+    }
+    if constexpr (width == 8) {  // level 2: 8 rows, 2 columns
+      for (int q = 0; q < 2; ++q) {
+        for (int c = 0; c < 2; ++c)
+          for (int r = 0; r < 8; ++r) t[c * 8 + r] = (r < 4 ? 0 : 16) + (2 * q + c) * 4 + r % 4;
+        index[1][q] = _mm512_load_si512(t);
+      }
+    }
+    for (int c = 0; c < 2; ++c) {  // last level: 16 rows, 1 column
+      for (int r = 0; r < 16; ++r) t[r] = (r < 8 ? 0 : 16) + c * 8 + r % 8;
+      index[2][c] = _mm512_load_si512(t);
+    }
+  }
+
+  void run(const int32_t* rows, __m512i out[width]) const {
+    __m512i z[width];
+    for (int i = 0; i < width; ++i) z[i] = _mm512_loadu_si512(rows + 16 * i);
+    if constexpr (width == 8) {
+      __m512i a[4][2], b[2][2][2];
+      for (int i = 0; i < 4; ++i)
+        for (int h = 0; h < 2; ++h) a[i][h] = _mm512_permutex2var_epi32(z[2 * i], index[0][h], z[2 * i + 1]);
+      for (int j = 0; j < 2; ++j)
+        for (int h = 0; h < 2; ++h)
+          for (int q = 0; q < 2; ++q) b[j][h][q] = _mm512_permutex2var_epi32(a[2 * j][h], index[1][q], a[2 * j + 1][h]);
+      for (int h = 0; h < 2; ++h)
+        for (int q = 0; q < 2; ++q)
+          for (int c = 0; c < 2; ++c) out[h * 4 + 2 * q + c] = _mm512_permutex2var_epi32(b[0][h][q], index[2][c], b[1][h][q]);
+    } else {
+      __m512i a[2][2];
+      for (int j = 0; j < 2; ++j)
+        for (int h = 0; h < 2; ++h) a[j][h] = _mm512_permutex2var_epi32(z[2 * j], index[0][h], z[2 * j + 1]);
+      for (int c = 0; c < 4; ++c) out[c] = _mm512_permutex2var_epi32(a[0][c / 2], index[2][c % 2], a[1][c / 2]);
+    }
+  }
+};
+
+const Transpose<8> kDotsTranspose;
+const Transpose<4> kHeaderTranspose;
+
+void rows16(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y, int64_t nrows) {
+  static thread_local std::vector<int32_t> dots, headers;  // [blocks][16 rows][8 groups], [blocks][16 rows][4]
+  dots.resize(blocks * 128), headers.resize(blocks * 64);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i low_quarters = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* row = base + std::min<int64_t>(r, nrows - 1) * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * kBlockBytes;
+      for (int line = 0; line < 3; ++line) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + 64 * line), _MM_HINT_T0);
+      const __m512i* x = reinterpret_cast<const __m512i*>(a.in_code_order.data() + b * 256);
+      const __m512i lo = _mm512_loadu_si512(blk + 16), hi = _mm512_loadu_si512(blk + 80);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(headers.data() + b * 64 + r * 4), _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+      // Each register: two groups' partial dots, 8 lanes each (groups 0|2, 1|3, 4|6, 5|7).
+      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(lo, nibble), _mm512_loadu_si512(x));
+      const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble), _mm512_loadu_si512(x + 1));
+      const __m512i d2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(hi, nibble), _mm512_loadu_si512(x + 2));
+      const __m512i d3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(hi, 4), nibble), _mm512_loadu_si512(x + 3));
+      // Per 128-bit quarter, then across quarters: g0 g1 g4 g5 in the first quarter, g2 g3 g6 g7 in the third.
+      const __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(d0, d1), _mm512_unpackhi_epi32(d0, d1));
+      const __m512i q = _mm512_add_epi32(_mm512_unpacklo_epi32(d2, d3), _mm512_unpackhi_epi32(d2, d3));
+      const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(p, q), _mm512_unpackhi_epi64(p, q));
+      const __m512i w = _mm512_add_epi32(s, _mm512_shuffle_i32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dots.data() + b * 128 + r * 8),
+                          _mm512_castsi512_si256(_mm512_permutexvar_epi32(low_quarters, w)));
+    }
+  }
+  static constexpr int kSlot[8] = {0, 1, 4, 5, 2, 3, 6, 7};  // where group g's dot was stored
+  const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+  __m512 f = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[8], header[4];
+    kDotsTranspose.run(dots.data() + b * 128, dot);
+    kHeaderTranspose.run(headers.data() + b * 64, header);
+    const __m512i s0 = header[1], s1 = header[2], s2 = header[3];  // scale bytes 0-3, 4-7, 8-11
+    const int32_t* xs = a.sum16.data() + b * 16;
+    __m512 fsum = _mm512_setzero_ps();
+    __m512i imin = _mm512_setzero_si512();
+    for (int g = 0; g < 8; ++g) {
+      __m512i sc, m;
+      if (g < 4) {
+        sc = _mm512_and_si512(_mm512_srli_epi32(s0, 8 * g), m63);
+        m = _mm512_and_si512(_mm512_srli_epi32(s1, 8 * g), m63);
+      } else {
+        const int j = g - 4;
+        sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 8 * j), m15),
+                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, 8 * j + 6), m3), 4));
+        m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 8 * j + 4), m15),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 8 * j + 6), m3), 4));
+      }
+      fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[kSlot[g]]), _mm512_cvtepi32_ps(sc), fsum);
+      imin = _mm512_add_epi32(imin, _mm512_mullo_epi32(m, _mm512_set1_epi32(xs[2 * g] + xs[2 * g + 1])));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header[0]));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(header[0], 16)));
+    const __m512 dx = _mm512_set1_ps(a.dx[b]);
+    f = _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, dx), f);
+    f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), f);
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, f);
+  std::copy(out, out + nrows, y);
+}
+
+// y = W x for W's rows as the file stores them (uint8 [N, K / 256 * 144]); the fastest of `reps` runs' seconds.
+py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::array_t<uint8_t, py::array::c_style>& raw,
+                 int threads, int reps, bool reference) {
+  const int64_t k = x.shape(0), n = raw.shape(0), row_bytes = raw.shape(1), blocks = k / 256;
+  if (k % 256 != 0 || row_bytes != blocks * kBlockBytes) throw py::value_error("raw must be Q4_K rows of K = len(x)");
+  const Activations a(x.data(), k);
+  py::array_t<float> y(n);
+  float* yp = y.mutable_data();
+  const uint8_t* base = raw.data();
+  double best = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    const double start = omp_get_wtime();
+    if (reference) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t r = 0; r < n; ++r) yp[r] = row_reference(base + r * row_bytes, blocks, a);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t t = 0; t < (n + 15) / 16; ++t)
+        rows16(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, std::min<int64_t>(16, n - t * 16));
+    }
+    best = std::min(best, omp_get_wtime() - start);
+  }
+  return py::make_tuple(y, best);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(native_layout_q4k, m) { m.def("linear", &linear); }
