@@ -160,8 +160,8 @@ def read_tokenizer_metadata(
     builds a file's tokenizer (tokenizer.py) does without.
 
     until: stop once every one of these keys has been read, leaving the fields after them unread. Why: the
-    tokenizer's kind comes before its vocabulary and merges, and walking those two string arrays is ~15 ms
-    of a start."""
+    tokenizer's kind comes before its vocabulary and merges, and walking those two string arrays took 7 ms
+    of the engine's start (a 49k vocabulary) before its load could begin."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         r = _HeaderReader(buf)
         _, num_fields = r.preamble()
