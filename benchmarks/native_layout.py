@@ -1,15 +1,17 @@
-"""Design study: can decode read a GGUF file's Q4_K blocks in place, as fast as our packed tiles and with their bits?
+"""Design study: can decode read a GGUF file's K-quant blocks in place, as fast as our packed tiles and with their bits?
 
-Why: a first start spends ~0.5 CPU-s of its ~1.3 on the packed copy of the weights (fresh pages and the repack,
+Why: a first start spends ~0.5 CPU-s of its ~1.4 on the packed copy of the weights (fresh pages and the repack,
 README "Twenty-sixth session"). A kernel that read the file's own blocks would skip that copy; it must keep the
 tile kernel's bits (answers must not change with the layout) and its decode speed.
 
-`native_layout_q4k.cpp` is that kernel for one row (decode) of Q4_K, in 16-row strips: not engine code. This
-script stacks every Q4_K projection of FILE that takes the hidden size (a 1B file: ~450 MB, far past the caches),
-checks that its outputs, the scalar reference's and `block_linear`'s on the repacked tiles have the same bits,
-then times both layouts, alternated over rounds (each the fastest of 5 calls), on the same activations.
+`native_layout_kquant.cpp` holds such kernels for one row (decode) of Q4_K and Q6_K, in 16-row strips: not engine
+code. This script stacks every projection of FILE in the type asked for that takes the hidden size (a 1B file:
+450-750 MB, far past the caches), checks that its outputs, the scalar reference's and `block_linear`'s on the
+repacked tiles have the same bits, then times both layouts, alternated over rounds (each the fastest of 5 calls),
+on the same activations.
 
     python benchmarks/native_layout.py /tmp/chatapp-synthetic-gguf/synthetic-1b-Q4_K_M.gguf [--rounds 8]
+    python benchmarks/native_layout.py /tmp/chatapp-synthetic-gguf/synthetic-1b-Q6_K.gguf --type Q6_K
 
 Both layouts sit in 4 KB pages here (a running engine moves its tiles into 2 MB pages: +4-15% decode).
 """
@@ -27,15 +29,15 @@ from types import ModuleType
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-Q4_K = 12  # the ggml type id
+TYPE_IDS = {"Q4_K": 12, "Q6_K": 14}  # ggml's type ids
 
 
 def build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     module: ModuleType = load(
-        name="native_layout_q4k",
-        sources=[str(HERE / "native_layout_q4k.cpp")],
+        name="native_layout_kquant",
+        sources=[str(HERE / "native_layout_kquant.cpp")],
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
         extra_ldflags=["-fopenmp"],
         build_directory=tempfile.mkdtemp(prefix="chatapp-native-layout-"),
@@ -46,9 +48,10 @@ def build() -> ModuleType:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("file", help="a GGUF file with Q4_K tensors (a Q4_K_M file)")
+    parser.add_argument("file", help="a GGUF file with tensors of --type (Q4_K: a Q4_K_M file)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--type", choices=sorted(TYPE_IDS), default="Q4_K")
     args = parser.parse_args()
 
     import torch
@@ -62,31 +65,32 @@ def main() -> None:
         raise SystemExit("our C++ kernels are not built here")
     native = build()
     gguf = GGUFModelFile(Path(args.file))
-    q4k = [t for t in gguf.tensors.values() if t.type_id == Q4_K]
-    if not q4k:
-        raise SystemExit(f"{args.file} has no Q4_K tensor")
-    k = Counter(t.shape[-1] for t in q4k).most_common(1)[0][0]
-    raw = np.concatenate([np.asarray(t.data) for t in q4k if t.shape[-1] == k])
+    type_id = TYPE_IDS[args.type]
+    tensors = [t for t in gguf.tensors.values() if t.type_id == type_id]
+    if not tensors:
+        raise SystemExit(f"{args.file} has no {args.type} tensor")
+    k = Counter(t.shape[-1] for t in tensors).most_common(1)[0][0]
+    raw = np.concatenate([np.asarray(t.data) for t in tensors if t.shape[-1] == k])
     n = raw.shape[0]
-    kind = KIND_FOR_GGUF_TYPE["Q4_K"]
+    kind = KIND_FOR_GGUF_TYPE[args.type]
     packed = np.zeros((-(-n // 16), k // 256, TILE_BYTES[kind]), np.uint8)
     ext.set_num_threads(args.threads)
-    ext.repack_gguf_array(raw, Q4_K, k, None, packed)
-    print(f"{args.file}: {n} Q4_K rows of K {k}, {raw.nbytes / 1e6:.0f} MB as the file has them", flush=True)
+    ext.repack_gguf_array(raw, type_id, k, None, packed)
+    print(f"{args.file}: {n} {args.type} rows of K {k}, {raw.nbytes / 1e6:.0f} MB as the file has them", flush=True)
 
     x = np.random.default_rng(0).standard_normal(k).astype(np.float32)
     xt = torch.from_numpy(x)[None]
     head = 4096
     tiled = ext.block_linear(xt, torch.from_numpy(packed[: head // 16]), kind, head).numpy()[0]
-    reference, _ = native.linear(x, raw[:head], args.threads, 1, True)
-    fast, _ = native.linear(x, raw[:head], args.threads, 1, False)
+    reference, _ = native.linear(x, raw[:head], args.threads, 1, True, type_id)
+    fast, _ = native.linear(x, raw[:head], args.threads, 1, False, type_id)
     same = [np.array_equal(a.view(np.uint32), tiled.view(np.uint32)) for a in (reference, fast)]
     print(f"bits equal to block_linear on the tiles ({head} rows): reference {same[0]}, in place {same[1]}")
 
     whole = torch.from_numpy(packed)
     in_place, tiles = [], []
     for _ in range(args.rounds):
-        _, seconds = native.linear(x, raw, args.threads, 5, False)
+        _, seconds = native.linear(x, raw, args.threads, 5, False, type_id)
         in_place.append(raw.nbytes / seconds / 1e9)
         best = float("inf")
         for _ in range(5):

@@ -1,18 +1,19 @@
-// A design study for benchmarks/native_layout.py, not engine code: a one-row (decode) Q4_K linear that reads a
+// A design study for benchmarks/native_layout.py, not engine code: one-row (decode) Q4_K and Q6_K linears that read a
 // GGUF file's own blocks in place, computing every output with the float steps of our tile kernel
-// (chatapp/engine/csrc/kquant.cpp), so that its bits equal block_linear's on the repacked weights.
+// (chatapp/engine/csrc/kquant.cpp), so that their bits equal block_linear's on the repacked weights.
 //
-// Why it is worth measuring: a first start spends ~0.5 CPU-s of its ~1.3 making the packed copy of the weights
+// Why it is worth measuring: a first start spends ~0.5 CPU-s of its ~1.4 making the packed copy of the weights
 // (fresh pages and the repack); reading the file's blocks in place would skip it, if decode kept its speed.
 //
-// How, for 16 rows at a time (K / 256 super-blocks of 144 bytes a row):
+// How, for 16 rows at a time (K / 256 super-blocks a row):
 //  1. in file order (the 16 rows are one contiguous run of memory, one stream for the prefetchers), each row's
-//     super-block: two 64-byte loads of its 4-bit codes, four VNNI dots against the activations arranged in the
-//     order the codes lie (low nibbles of bytes 0-31 are inputs 0-31, of bytes 32-63 inputs 64-95, ...), and a
-//     reduction of the four registers to the 8 groups' exact int32 dots; its 16 header bytes are kept too;
-//  2. per super-block, the 16 rows' dots and headers transposed into registers (one lane a row), and the tile
-//     kernel's float steps run for the 16 lanes at once: fsum = fma chain over the 8 groups in order, then
-//     y = fma(fsum, d * dx, y) and y = fnmadd(imin, dmin * dx, y).
+//     super-block: its codes loaded as they lie, VNNI dots against the activations arranged in the same order,
+//     and a reduction of those registers to the exact int32 dot of each group of 32 (Q4_K) or sub-block of 16
+//     (Q6_K); the scale bytes are kept too;
+//  2. per super-block, the 16 rows' dots and scales transposed into registers (one lane a row), and the tile
+//     kernel's float steps run for the 16 lanes at once, in its order: Q4_K fsum = fma chain over the 8 groups,
+//     y = fma(fsum, d * dx, y), y = fnmadd(imin, dmin * dx, y); Q6_K fsum = fma chain over the 16 sub-blocks of
+//     (dot - 32 * sum of their activations) x scale, y = fma(fsum, d * dx, y).
 #include <immintrin.h>
 #include <omp.h>
 #include <pybind11/numpy.h>
@@ -216,11 +217,128 @@ void rows16(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activa
   std::copy(out, out + nrows, y);
 }
 
+
+// ---- Q6_K: 210-byte blocks: ql[128] (low 4 bits), qh[64] (bits 4-5), 16 int8 scales (one per 16), fp16 d ----
+
+// 16 x 16 int32 (row-major) -> 16 registers, register c holding column c of the 16 rows: four levels of permutes,
+// each pairing registers of 2^(L-1) rows into 2^L rows of half as many columns (lane = column * rows + row).
+struct Transpose16 {
+  __m512i index[4][2];
+  Transpose16() {
+    alignas(64) int32_t t[16];
+    for (int level = 1; level <= 4; ++level) {
+      const int rows = 1 << level, in_rows = rows / 2, in_cols = 16 / in_rows, cols = 16 / rows;
+      for (int k = 0; k < 2; ++k) {
+        for (int c = 0; c < cols; ++c)
+          for (int r = 0; r < rows; ++r) {
+            const int col_in = k * cols + c, from_b = r >= in_rows, row_in = r % in_rows;
+            (void)in_cols;
+            t[c * rows + r] = (from_b ? 16 : 0) + col_in * in_rows + row_in;
+          }
+        index[level - 1][k] = _mm512_load_si512(t);
+      }
+    }
+  }
+  void run(const int32_t* rows, __m512i out[16]) const {
+    __m512i z[16], next[16];
+    for (int i = 0; i < 16; ++i) z[i] = _mm512_loadu_si512(rows + 16 * i);
+    // level L: register (group j, column part k) from the pair (2j, 2j+1) of the level before
+    for (int level = 1; level <= 4; ++level) {
+      const int groups = 16 >> level, parts = 1 << (level - 1);  // inputs: 2 * groups registers per column part
+      for (int j = 0; j < groups; ++j)
+        for (int part = 0; part < parts; ++part)
+          for (int k = 0; k < 2; ++k)
+            next[j * (2 * parts) + 2 * part + k] =
+                _mm512_permutex2var_epi32(z[(2 * j) * parts + part], index[level - 1][k], z[(2 * j + 1) * parts + part]);
+      for (int i = 0; i < 16; ++i) z[i] = next[i];
+    }
+    for (int i = 0; i < 16; ++i) out[i] = z[i];
+  }
+};
+const Transpose16 kTranspose16;
+
+float row_reference_q6(const uint8_t* row, int64_t blocks, const Activations& a) {
+  float f = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * 210;
+    float fsum = 0.f;
+    for (int s = 0; s < 16; ++s) {
+      int32_t dot = -32 * a.sum16[b * 16 + s];
+      for (int i = 0; i < 16; ++i) {
+        const int e = 16 * s + i, h = e / 128, l = e % 128;
+        const uint8_t low = l < 64 ? blk[64 * h + l] & 15 : blk[64 * h + l - 64] >> 4;
+        const int part = l / 32;  // bits 2*part of qh[32h + l % 32]
+        const int code = low | (((blk[128 + 32 * h + l % 32] >> (2 * part)) & 3) << 4);
+        dot += code * a.q[b * 256 + e];
+      }
+      fsum = std::fma(static_cast<float>(dot), static_cast<float>(static_cast<int8_t>(blk[192 + s])), fsum);
+    }
+    f = std::fma(fsum, half_to_float(blk + 208) * a.dx[b], f);
+  }
+  return f;
+}
+
+void rows16_q6(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y, int64_t nrows) {
+  static thread_local std::vector<int32_t> dots, scales;  // [blocks][16 rows][16 sub-blocks], [blocks][16][4]
+  static thread_local std::vector<uint16_t> ds;            // [blocks][16]
+  dots.resize(blocks * 256), scales.resize(blocks * 64), ds.resize(blocks * 16);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  // per 16-bit lane: the lower 256 bits shift qh by the first count, the upper by the second
+  const __m512i shift01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i shift23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+  for (int r = 0; r < 16; ++r) {
+    const uint8_t* row = base + std::min<int64_t>(r, nrows - 1) * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + b * 210;
+      for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + 64 * line), _MM_HINT_T0);
+      const __m512i* x = reinterpret_cast<const __m512i*>(a.q.data() + b * 256);
+      __m512i d[4];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+        const __m512i hi0 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift01), two), 4);
+        const __m512i hi1 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift23), two), 4);
+        const __m512i c0 = _mm512_or_si512(_mm512_and_si512(ql, nibble), hi0);
+        const __m512i c1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), hi1);
+        d[2 * h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c0, _mm512_loadu_si512(x + 2 * h));
+        d[2 * h + 1] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c1, _mm512_loadu_si512(x + 2 * h + 1));
+      }
+      const __m512i p = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+      const __m512i q = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+      // lane 4Q + i: sub-block 4i + Q
+      _mm512_storeu_si512(dots.data() + b * 256 + r * 16, _mm512_add_epi32(_mm512_unpacklo_epi64(p, q), _mm512_unpackhi_epi64(p, q)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(scales.data() + b * 64 + r * 4), _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      std::memcpy(ds.data() + b * 16 + r, blk + 208, 2);
+    }
+  }
+  __m512 f = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[16], sc4[4];
+    kTranspose16.run(dots.data() + b * 256, dot);
+    kHeaderTranspose.run(scales.data() + b * 64, sc4);
+    const int32_t* xs = a.sum16.data() + b * 16;
+    __m512 fsum = _mm512_setzero_ps();
+    for (int s = 0; s < 16; ++s) {
+      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(sc4[s / 4], 24 - 8 * (s % 4)), 24);  // byte s, signed
+      const __m512i v = _mm512_sub_epi32(dot[4 * (s % 4) + s / 4], _mm512_set1_epi32(32 * xs[s]));
+      fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_cvtepi32_ps(sc), fsum);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds.data() + b * 16)));
+    f = _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, _mm512_set1_ps(a.dx[b])), f);
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, f);
+  std::copy(out, out + nrows, y);
+}
+
 // y = W x for W's rows as the file stores them (uint8 [N, K / 256 * 144]); the fastest of `reps` runs' seconds.
 py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::array_t<uint8_t, py::array::c_style>& raw,
-                 int threads, int reps, bool reference) {
+                 int threads, int reps, bool reference, int ggml_type) {
+  const bool q6 = ggml_type == 14;
+  if (ggml_type != 12 && !q6) throw py::value_error("Q4_K (12) or Q6_K (14) only");
+  const int64_t block_bytes = q6 ? 210 : kBlockBytes;
   const int64_t k = x.shape(0), n = raw.shape(0), row_bytes = raw.shape(1), blocks = k / 256;
-  if (k % 256 != 0 || row_bytes != blocks * kBlockBytes) throw py::value_error("raw must be Q4_K rows of K = len(x)");
+  if (k % 256 != 0 || row_bytes != blocks * block_bytes) throw py::value_error("raw must be rows of K = len(x)");
   const Activations a(x.data(), k);
   py::array_t<float> y(n);
   float* yp = y.mutable_data();
@@ -230,11 +348,17 @@ py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::arra
     const double start = omp_get_wtime();
     if (reference) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t r = 0; r < n; ++r) yp[r] = row_reference(base + r * row_bytes, blocks, a);
+      for (int64_t r = 0; r < n; ++r)
+        yp[r] = q6 ? row_reference_q6(base + r * row_bytes, blocks, a) : row_reference(base + r * row_bytes, blocks, a);
     } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t t = 0; t < (n + 15) / 16; ++t)
-        rows16(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, std::min<int64_t>(16, n - t * 16));
+      for (int64_t t = 0; t < (n + 15) / 16; ++t) {
+        const int64_t rows = std::min<int64_t>(16, n - t * 16);
+        if (q6)
+          rows16_q6(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
+        else
+          rows16(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
+      }
     }
     best = std::min(best, omp_get_wtime() - start);
   }
@@ -243,4 +367,4 @@ py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::arra
 
 }  // namespace
 
-PYBIND11_MODULE(native_layout_q4k, m) { m.def("linear", &linear); }
+PYBIND11_MODULE(native_layout_kquant, m) { m.def("linear", &linear); }
