@@ -80,8 +80,8 @@ def main() -> None:
 
     x = np.random.default_rng(0).standard_normal(k).astype(np.float32)
     xt = torch.from_numpy(x)[None]
-    head = 4096
-    tiled = ext.block_linear(xt, torch.from_numpy(packed[: head // 16]), kind, head).numpy()[0]
+    head = min(4096, n)
+    tiled = ext.block_linear(xt, torch.from_numpy(packed[: -(-head // 16)]), kind, head).numpy()[0]
     reference, _ = native.linear(x, raw[:head], args.threads, 1, True, type_id)
     fast, _ = native.linear(x, raw[:head], args.threads, 1, False, type_id)
     same = [np.array_equal(a.view(np.uint32), tiled.view(np.uint32)) for a in (reference, fast)]
