@@ -30,6 +30,7 @@ namespace py = pybind11;
 namespace {
 
 constexpr int64_t kBlockBytes = 144;  // Q4_K: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128 of codes
+constexpr int64_t kQ6BlockBytes = 210;  // Q6_K: 128 bytes of low nibbles, 64 of bits 4-5, 16 int8 scales, fp16 d
 constexpr int64_t kPrefetch = 4096;   // bytes ahead in the stream (18 KB and 4 KB measured alike; none: ~10% slower)
 
 float half_to_float(const uint8_t* p) {
@@ -218,7 +219,7 @@ void rows16(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activa
 }
 
 
-// ---- Q6_K: 210-byte blocks: ql[128] (low 4 bits), qh[64] (bits 4-5), 16 int8 scales (one per 16), fp16 d ----
+// ---- Q6_K ----
 
 // 16 x 16 int32 (row-major) -> 16 registers, register c holding column c of the 16 rows: four levels of permutes,
 // each pairing registers of 2^(L-1) rows into 2^L rows of half as many columns (lane = column * rows + row).
@@ -227,12 +228,11 @@ struct Transpose16 {
   Transpose16() {
     alignas(64) int32_t t[16];
     for (int level = 1; level <= 4; ++level) {
-      const int rows = 1 << level, in_rows = rows / 2, in_cols = 16 / in_rows, cols = 16 / rows;
+      const int rows = 1 << level, in_rows = rows / 2, cols = 16 / rows;
       for (int k = 0; k < 2; ++k) {
         for (int c = 0; c < cols; ++c)
           for (int r = 0; r < rows; ++r) {
             const int col_in = k * cols + c, from_b = r >= in_rows, row_in = r % in_rows;
-            (void)in_cols;
             t[c * rows + r] = (from_b ? 16 : 0) + col_in * in_rows + row_in;
           }
         index[level - 1][k] = _mm512_load_si512(t);
@@ -260,7 +260,7 @@ const Transpose16 kTranspose16;
 float row_reference_q6(const uint8_t* row, int64_t blocks, const Activations& a) {
   float f = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = row + b * 210;
+    const uint8_t* blk = row + b * kQ6BlockBytes;
     float fsum = 0.f;
     for (int s = 0; s < 16; ++s) {
       int32_t dot = -32 * a.sum16[b * 16 + s];
@@ -289,7 +289,7 @@ void rows16_q6(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Act
   for (int r = 0; r < 16; ++r) {
     const uint8_t* row = base + std::min<int64_t>(r, nrows - 1) * row_bytes;
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = row + b * 210;
+      const uint8_t* blk = row + b * kQ6BlockBytes;
       for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + 64 * line), _MM_HINT_T0);
       const __m512i* x = reinterpret_cast<const __m512i*>(a.q.data() + b * 256);
       __m512i d[4];
@@ -336,7 +336,7 @@ py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::arra
                  int threads, int reps, bool reference, int ggml_type) {
   const bool q6 = ggml_type == 14;
   if (ggml_type != 12 && !q6) throw py::value_error("Q4_K (12) or Q6_K (14) only");
-  const int64_t block_bytes = q6 ? 210 : kBlockBytes;
+  const int64_t block_bytes = q6 ? kQ6BlockBytes : kBlockBytes;
   const int64_t k = x.shape(0), n = raw.shape(0), row_bytes = raw.shape(1), blocks = k / 256;
   if (k % 256 != 0 || row_bytes != blocks * block_bytes) throw py::value_error("raw must be rows of K = len(x)");
   const Activations a(x.data(), k);
