@@ -4,7 +4,8 @@ Why: a first start spends ~0.5 CPU-s of its ~1.4 on the packed copy of the weigh
 README "Twenty-sixth session"). A kernel that read the file's own blocks would skip that copy; it must keep the
 tile kernel's bits (answers must not change with the layout) and its decode speed.
 
-`native_layout_kquant.cpp` holds such kernels for one row (decode) of Q4_K and Q6_K, in 16-row strips: not engine
+`native_layout_kquant.cpp` holds such kernels for one row (decode) of Q4_K and Q6_K, in 16-row strips, two ways
+(each row's sums taken out of the vector lanes, or with `--lanes` the codes transposed into them): not engine
 code. This script stacks every projection of FILE in the type asked for that takes the hidden size (a 1B file:
 450-750 MB, far past the caches), checks that its outputs, the scalar reference's and `block_linear`'s on the
 repacked tiles have the same bits, then times both layouts, alternated over rounds (each the fastest of 5 calls),
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--type", choices=sorted(TYPE_IDS), default="Q4_K")
+    parser.add_argument("--lanes", action="store_true", help="codes transposed into lanes, not sums out of them")
     args = parser.parse_args()
 
     import torch
@@ -82,15 +84,15 @@ def main() -> None:
     xt = torch.from_numpy(x)[None]
     head = min(4096, n)
     tiled = ext.block_linear(xt, torch.from_numpy(packed[: -(-head // 16)]), kind, head).numpy()[0]
-    reference, _ = native.linear(x, raw[:head], args.threads, 1, True, type_id)
-    fast, _ = native.linear(x, raw[:head], args.threads, 1, False, type_id)
+    reference, _ = native.linear(x, raw[:head], args.threads, 1, True, type_id, False)
+    fast, _ = native.linear(x, raw[:head], args.threads, 1, False, type_id, args.lanes)
     same = [np.array_equal(a.view(np.uint32), tiled.view(np.uint32)) for a in (reference, fast)]
     print(f"bits equal to block_linear on the tiles ({head} rows): reference {same[0]}, in place {same[1]}")
 
     whole = torch.from_numpy(packed)
     in_place, tiles = [], []
     for _ in range(args.rounds):
-        _, seconds = native.linear(x, raw, args.threads, 5, False, type_id)
+        _, seconds = native.linear(x, raw, args.threads, 5, False, type_id, args.lanes)
         in_place.append(raw.nbytes / seconds / 1e9)
         best = float("inf")
         for _ in range(5):

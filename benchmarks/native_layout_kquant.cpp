@@ -5,15 +5,18 @@
 // Why it is worth measuring: a first start spends ~0.5 CPU-s of its ~1.4 making the packed copy of the weights
 // (fresh pages and the repack); reading the file's blocks in place would skip it, if decode kept its speed.
 //
-// How, for 16 rows at a time (K / 256 super-blocks a row):
-//  1. in file order (the 16 rows are one contiguous run of memory, one stream for the prefetchers), each row's
-//     super-block: its codes loaded as they lie, VNNI dots against the activations arranged in the same order,
-//     and a reduction of those registers to the exact int32 dot of each group of 32 (Q4_K) or sub-block of 16
-//     (Q6_K); the scale bytes are kept too;
-//  2. per super-block, the 16 rows' dots and scales transposed into registers (one lane a row), and the tile
-//     kernel's float steps run for the 16 lanes at once, in its order: Q4_K fsum = fma chain over the 8 groups,
-//     y = fma(fsum, d * dx, y), y = fnmadd(imin, dmin * dx, y); Q6_K fsum = fma chain over the 16 sub-blocks of
-//     (dot - 32 * sum of their activations) x scale, y = fma(fsum, d * dx, y).
+// Two ways, each for 16 rows at a time (K / 256 super-blocks a row):
+//  - sums out of the lanes (rows16, rows16_q6): in file order (the 16 rows are one contiguous run of memory, one
+//    stream for the prefetchers), each row's super-block: its codes loaded as they lie, VNNI dots against the
+//    activations arranged in the same order, and a reduction of those registers to the exact int32 dot of each
+//    group of 32 (Q4_K) or sub-block of 16 (Q6_K); then per super-block the 16 rows' dots and scales are
+//    transposed into registers, one row a lane;
+//  - codes into the lanes (rows16_lanes, rows16_q6_lanes, `--lanes`): the strip of 16 rows is prefetched into cache
+//    while the one before it is computed, then per super-block its codes are transposed so that a register holds 4
+//    codes of each of the 16 rows, as a tile of ours would, and the dots land one row a lane with nothing to reduce.
+// Either way the tile kernel's float steps then run for the 16 lanes at once, in its order: Q4_K fsum = fma chain
+// over the 8 groups, y = fma(fsum, d * dx, y), y = fnmadd(imin, dmin * dx, y); Q6_K fsum = fma chain over the 16
+// sub-blocks of (dot - 32 * sum of their activations) x scale, y = fma(fsum, d * dx, y).
 #include <immintrin.h>
 #include <omp.h>
 #include <pybind11/numpy.h>
@@ -132,6 +135,11 @@ struct Transpose {
   void run(const int32_t* rows, __m512i out[width]) const {
     __m512i z[width];
     for (int i = 0; i < width; ++i) z[i] = _mm512_loadu_si512(rows + 16 * i);
+    run(z, out);
+  }
+
+  // z[i]: rows 16 / width * i onwards, `width` int32 each
+  void run(const __m512i z[width], __m512i out[width]) const {
     if constexpr (width == 8) {
       __m512i a[4][2], b[2][2][2];
       for (int i = 0; i < 4; ++i)
@@ -153,6 +161,47 @@ struct Transpose {
 
 const Transpose<8> kDotsTranspose;
 const Transpose<4> kHeaderTranspose;
+
+// One Q4_K super-block's float steps for 16 rows, one a lane, in the tile kernel's order: dot[g] the groups' exact
+// dots, header the blocks' first 16 bytes (d | dmin, then the 12 scale bytes), xs the activations' sums of 16.
+__m512 q4k_block_steps(const __m512i dot[8], const __m512i header[4], const int32_t* xs, float dx_value, __m512 f) {
+  const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+  const __m512i s0 = header[1], s1 = header[2], s2 = header[3];  // scale bytes 0-3, 4-7, 8-11
+  __m512 fsum = _mm512_setzero_ps();
+  __m512i imin = _mm512_setzero_si512();
+  for (int g = 0; g < 8; ++g) {
+    __m512i sc, m;
+    if (g < 4) {
+      sc = _mm512_and_si512(_mm512_srli_epi32(s0, 8 * g), m63);
+      m = _mm512_and_si512(_mm512_srli_epi32(s1, 8 * g), m63);
+    } else {
+      const int j = g - 4;
+      sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 8 * j), m15),
+                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, 8 * j + 6), m3), 4));
+      m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 8 * j + 4), m15),
+                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 8 * j + 6), m3), 4));
+    }
+    fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[g]), _mm512_cvtepi32_ps(sc), fsum);
+    imin = _mm512_add_epi32(imin, _mm512_mullo_epi32(m, _mm512_set1_epi32(xs[2 * g] + xs[2 * g + 1])));
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header[0]));
+  const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(header[0], 16)));
+  const __m512 dx = _mm512_set1_ps(dx_value);
+  f = _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, dx), f);
+  return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), f);
+}
+
+// One Q6_K super-block's float steps for 16 rows, one a lane: dot[s] the sub-blocks' exact dots, scales the 16 int8
+// scale bytes (4 a register), d the rows' scales.
+__m512 q6k_block_steps(const __m512i dot[16], const __m512i scales[4], const int32_t* xs, __m512 d, float dx, __m512 f) {
+  __m512 fsum = _mm512_setzero_ps();
+  for (int s = 0; s < 16; ++s) {
+    const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(scales[s / 4], 24 - 8 * (s % 4)), 24);  // byte s, signed
+    const __m512i v = _mm512_sub_epi32(dot[s], _mm512_set1_epi32(32 * xs[s]));
+    fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_cvtepi32_ps(sc), fsum);
+  }
+  return _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, _mm512_set1_ps(dx)), f);
+}
 
 void rows16(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y, int64_t nrows) {
   static thread_local std::vector<int32_t> dots, headers;  // [blocks][16 rows][8 groups], [blocks][16 rows][4]
@@ -182,42 +231,69 @@ void rows16(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activa
     }
   }
   static constexpr int kSlot[8] = {0, 1, 4, 5, 2, 3, 6, 7};  // where group g's dot was stored
-  const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
   __m512 f = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i dot[8], header[4];
-    kDotsTranspose.run(dots.data() + b * 128, dot);
+    __m512i slots[8], dot[8], header[4];
+    kDotsTranspose.run(dots.data() + b * 128, slots);
     kHeaderTranspose.run(headers.data() + b * 64, header);
-    const __m512i s0 = header[1], s1 = header[2], s2 = header[3];  // scale bytes 0-3, 4-7, 8-11
-    const int32_t* xs = a.sum16.data() + b * 16;
-    __m512 fsum = _mm512_setzero_ps();
-    __m512i imin = _mm512_setzero_si512();
-    for (int g = 0; g < 8; ++g) {
-      __m512i sc, m;
-      if (g < 4) {
-        sc = _mm512_and_si512(_mm512_srli_epi32(s0, 8 * g), m63);
-        m = _mm512_and_si512(_mm512_srli_epi32(s1, 8 * g), m63);
-      } else {
-        const int j = g - 4;
-        sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 8 * j), m15),
-                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s0, 8 * j + 6), m3), 4));
-        m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(s2, 8 * j + 4), m15),
-                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(s1, 8 * j + 6), m3), 4));
-      }
-      fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[kSlot[g]]), _mm512_cvtepi32_ps(sc), fsum);
-      imin = _mm512_add_epi32(imin, _mm512_mullo_epi32(m, _mm512_set1_epi32(xs[2 * g] + xs[2 * g + 1])));
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header[0]));
-    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(header[0], 16)));
-    const __m512 dx = _mm512_set1_ps(a.dx[b]);
-    f = _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, dx), f);
-    f = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(dmin, dx), f);
+    for (int g = 0; g < 8; ++g) dot[g] = slots[kSlot[g]];
+    f = q4k_block_steps(dot, header, a.sum16.data() + b * 16, a.dx[b], f);
   }
   alignas(64) float out[16];
   _mm512_store_ps(out, f);
   std::copy(out, out + nrows, y);
 }
 
+
+// The same outputs, the same bits, another way: each strip of 16 rows is first brought into cache whole (prefetched
+// while the strip before it is computed), then per block and group pair its codes are transposed so that a register
+// holds 4 codes of each of the 16 rows, one row a lane, as a tile would; the dots then land one row a lane, and no
+// row's sums need gathering out of the lanes.
+void rows16_lanes(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y,
+                  int64_t nrows) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* row[16];
+  for (int r = 0; r < 16; ++r) row[r] = base + std::min<int64_t>(r, nrows - 1) * row_bytes;
+  // The next strip, in file order, a block's share of its lines as each block is computed (into L2 instead, or two
+  // strips ahead: 0.74-0.81x of the tiles' GB/s against 0.90-0.95x; by column, as the blocks are read: 0.77x).
+  const uint8_t* next = base + 16 * row_bytes;
+  const int64_t strip_bytes = 16 * row_bytes, per_block = (strip_bytes + blocks - 1) / blocks;
+  __m512 f = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = b * kBlockBytes;
+    for (int64_t o = b * per_block; o < std::min(strip_bytes, (b + 1) * per_block); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+    const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + b * 256);
+    __m512i dot[8];
+    for (int p = 0; p < 4; ++p) {  // code bytes 32p..32p+31: group 2p in the low nibbles, 2p + 1 in the high
+      __m512i z[8], t[8];
+      for (int i = 0; i < 8; ++i)
+        z[i] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i] + at + 16 + 32 * p))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i + 1] + at + 16 + 32 * p)), 1);
+      kDotsTranspose.run(z, t);  // t[j]: bytes 4j..4j+3 of the 16 rows
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(t[j], nibble), _mm512_set1_epi32(xq[16 * p + j]));
+        hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(t[j], 4), nibble), _mm512_set1_epi32(xq[16 * p + 8 + j]));
+      }
+      dot[2 * p] = lo, dot[2 * p + 1] = hi;
+    }
+    __m512i z[4], header[4];
+    auto header_of = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + at)); };
+    for (int i = 0; i < 4; ++i) {
+      __m512i v = _mm512_castsi128_si512(header_of(4 * i));
+      v = _mm512_inserti32x4(v, header_of(4 * i + 1), 1);
+      v = _mm512_inserti32x4(v, header_of(4 * i + 2), 2);
+      z[i] = _mm512_inserti32x4(v, header_of(4 * i + 3), 3);
+    }
+    kHeaderTranspose.run(z, header);
+    f = q4k_block_steps(dot, header, a.sum16.data() + b * 16, a.dx[b], f);
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, f);
+  std::copy(out, out + nrows, y);
+}
 
 // ---- Q6_K ----
 
@@ -240,8 +316,13 @@ struct Transpose16 {
     }
   }
   void run(const int32_t* rows, __m512i out[16]) const {
-    __m512i z[16], next[16];
+    __m512i z[16];
     for (int i = 0; i < 16; ++i) z[i] = _mm512_loadu_si512(rows + 16 * i);
+    run(z, out);
+  }
+  void run(const __m512i in[16], __m512i out[16]) const {
+    __m512i z[16], next[16];
+    for (int i = 0; i < 16; ++i) z[i] = in[i];
     // level L: register (group j, column part k) from the pair (2j, 2j+1) of the level before
     for (int level = 1; level <= 4; ++level) {
       const int groups = 16 >> level, parts = 1 << (level - 1);  // inputs: 2 * groups registers per column part
@@ -313,18 +394,69 @@ void rows16_q6(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Act
   }
   __m512 f = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i dot[16], sc4[4];
-    kTranspose16.run(dots.data() + b * 256, dot);
+    __m512i lanes[16], dot[16], sc4[4];
+    kTranspose16.run(dots.data() + b * 256, lanes);
     kHeaderTranspose.run(scales.data() + b * 64, sc4);
-    const int32_t* xs = a.sum16.data() + b * 16;
-    __m512 fsum = _mm512_setzero_ps();
-    for (int s = 0; s < 16; ++s) {
-      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(sc4[s / 4], 24 - 8 * (s % 4)), 24);  // byte s, signed
-      const __m512i v = _mm512_sub_epi32(dot[4 * (s % 4) + s / 4], _mm512_set1_epi32(32 * xs[s]));
-      fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_cvtepi32_ps(sc), fsum);
-    }
+    for (int s = 0; s < 16; ++s) dot[s] = lanes[4 * (s % 4) + s / 4];  // lane 4Q + i held sub-block 4i + Q
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds.data() + b * 16)));
-    f = _mm512_fmadd_ps(fsum, _mm512_mul_ps(d, _mm512_set1_ps(a.dx[b])), f);
+    f = q6k_block_steps(dot, sc4, a.sum16.data() + b * 16, d, a.dx[b], f);
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, f);
+  std::copy(out, out + nrows, y);
+}
+
+// Q6_K the same way as rows16_lanes: the strip in cache, its codes transposed into lanes (one row a lane), each
+// sub-block of 16's dot accumulated in its own register.
+void rows16_q6_lanes(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y,
+                     int64_t nrows) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  const uint8_t* row[16];
+  for (int r = 0; r < 16; ++r) row[r] = base + std::min<int64_t>(r, nrows - 1) * row_bytes;
+  const uint8_t* next = base + 16 * row_bytes;  // prefetched as rows16_lanes does
+  const int64_t strip_bytes = 16 * row_bytes, per_block = (strip_bytes + blocks - 1) / blocks;
+  __m512 f = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = b * kQ6BlockBytes;
+    for (int64_t o = b * per_block; o < std::min(strip_bytes, (b + 1) * per_block); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+    const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + b * 256);
+    __m512i dot[16];
+    for (int h = 0; h < 2; ++h) {
+      __m512i z[16], low[16], z8[8], high[8];
+      for (int r = 0; r < 16; ++r) z[r] = _mm512_loadu_si512(row[r] + at + 64 * h);
+      kTranspose16.run(z, low);  // low[j]: ql bytes 64h + 4j..4j+3 of the 16 rows
+      for (int i = 0; i < 8; ++i)
+        z8[i] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i] + at + 128 + 32 * h))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i + 1] + at + 128 + 32 * h)), 1);
+      kDotsTranspose.run(z8, high);  // high[j]: qh bytes 32h + 4j..4j+3
+      for (int q = 0; q < 8; ++q) dot[8 * h + q] = _mm512_setzero_si512();
+      for (int j = 0; j < 16; ++j) {
+        // low nibbles: inputs 128h + 4j.. (part j / 8 of qh's bit pairs); high nibbles: 128h + 64 + 4j.. (part 2 + j / 8)
+        const int part = j / 8;
+        const __m512i hb = high[j % 8];
+        const __m512i c0 = _mm512_or_si512(_mm512_and_si512(low[j], nibble),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * part), two), 4));
+        const __m512i c1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low[j], 4), nibble),
+                                           _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 4 + 2 * part), two), 4));
+        dot[8 * h + j / 4] = _mm512_dpbusd_epi32(dot[8 * h + j / 4], c0, _mm512_set1_epi32(xq[32 * h + j]));
+        dot[8 * h + 4 + j / 4] = _mm512_dpbusd_epi32(dot[8 * h + 4 + j / 4], c1, _mm512_set1_epi32(xq[32 * h + 16 + j]));
+      }
+    }
+    __m512i z4[4], sc4[4];
+    auto scales_of = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + at + 192)); };
+    for (int i = 0; i < 4; ++i) {
+      __m512i v = _mm512_castsi128_si512(scales_of(4 * i));
+      v = _mm512_inserti32x4(v, scales_of(4 * i + 1), 1);
+      v = _mm512_inserti32x4(v, scales_of(4 * i + 2), 2);
+      z4[i] = _mm512_inserti32x4(v, scales_of(4 * i + 3), 3);
+    }
+    kHeaderTranspose.run(z4, sc4);
+    alignas(64) uint16_t d16[16];
+    for (int r = 0; r < 16; ++r) std::memcpy(d16 + r, row[r] + at + 208, 2);
+    const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d16)));
+    f = q6k_block_steps(dot, sc4, a.sum16.data() + b * 16, d, a.dx[b], f);
   }
   alignas(64) float out[16];
   _mm512_store_ps(out, f);
@@ -333,7 +465,7 @@ void rows16_q6(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Act
 
 // y = W x for W's rows as the file stores them (uint8 [N, K / 256 * 144]); the fastest of `reps` runs' seconds.
 py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::array_t<uint8_t, py::array::c_style>& raw,
-                 int threads, int reps, bool reference, int ggml_type) {
+                 int threads, int reps, bool reference, int ggml_type, bool lanes) {
   const bool q6 = ggml_type == 14;
   if (ggml_type != 12 && !q6) throw py::value_error("Q4_K (12) or Q6_K (14) only");
   const int64_t block_bytes = q6 ? kQ6BlockBytes : kBlockBytes;
@@ -354,8 +486,12 @@ py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::arra
 #pragma omp parallel for num_threads(threads) schedule(static)
       for (int64_t t = 0; t < (n + 15) / 16; ++t) {
         const int64_t rows = std::min<int64_t>(16, n - t * 16);
-        if (q6)
+        if (q6 && lanes)
+          rows16_q6_lanes(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
+        else if (q6)
           rows16_q6(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
+        else if (lanes)
+          rows16_lanes(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
         else
           rows16(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
       }
