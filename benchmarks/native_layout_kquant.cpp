@@ -245,6 +245,40 @@ void rows16(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activa
 }
 
 
+// A strip of 16 rows for the lanes way: where each row starts, and the next strip, which it prefetches in file
+// order, a block's share of its lines as each block is computed (into L2 instead, or two strips ahead: 0.74-0.81x
+// of the tiles' GB/s against 0.90-0.95x; by column, as the blocks are read: 0.77x).
+struct Strip {
+  const uint8_t* row[16];
+  const uint8_t* next;
+  int64_t bytes, per_block;
+
+  Strip(const uint8_t* base, int64_t row_bytes, int64_t blocks, int64_t nrows)
+      : next(base + 16 * row_bytes), bytes(16 * row_bytes), per_block((16 * row_bytes + blocks - 1) / blocks) {
+    for (int r = 0; r < 16; ++r) row[r] = base + std::min<int64_t>(r, nrows - 1) * row_bytes;
+  }
+  void prefetch_next(int64_t b) const {
+    for (int64_t o = b * per_block; o < std::min(bytes, (b + 1) * per_block); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+  }
+  // The 16 rows' 16 bytes at `at`, 4 rows a register (for Transpose<4>).
+  void quads(int64_t at, __m512i z[4]) const {
+    auto field = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + at)); };
+    for (int i = 0; i < 4; ++i) {
+      __m512i v = _mm512_castsi128_si512(field(4 * i));
+      v = _mm512_inserti32x4(v, field(4 * i + 1), 1);
+      v = _mm512_inserti32x4(v, field(4 * i + 2), 2);
+      z[i] = _mm512_inserti32x4(v, field(4 * i + 3), 3);
+    }
+  }
+  // The 16 rows' 32 bytes at `at`, 2 rows a register (for Transpose<8>).
+  void pairs(int64_t at, __m512i z[8]) const {
+    for (int i = 0; i < 8; ++i)
+      z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i] + at))),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i + 1] + at)), 1);
+  }
+};
+
 // The same outputs, the same bits, another way: each strip of 16 rows is first brought into cache whole (prefetched
 // while the strip before it is computed), then per block and group pair its codes are transposed so that a register
 // holds 4 codes of each of the 16 rows, one row a lane, as a tile would; the dots then land one row a lane, and no
@@ -252,25 +286,16 @@ void rows16(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activa
 void rows16_lanes(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y,
                   int64_t nrows) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const uint8_t* row[16];
-  for (int r = 0; r < 16; ++r) row[r] = base + std::min<int64_t>(r, nrows - 1) * row_bytes;
-  // The next strip, in file order, a block's share of its lines as each block is computed (into L2 instead, or two
-  // strips ahead: 0.74-0.81x of the tiles' GB/s against 0.90-0.95x; by column, as the blocks are read: 0.77x).
-  const uint8_t* next = base + 16 * row_bytes;
-  const int64_t strip_bytes = 16 * row_bytes, per_block = (strip_bytes + blocks - 1) / blocks;
+  const Strip strip(base, row_bytes, blocks, nrows);
   __m512 f = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = b * kBlockBytes;
-    for (int64_t o = b * per_block; o < std::min(strip_bytes, (b + 1) * per_block); o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+    strip.prefetch_next(b);
     const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + b * 256);
     __m512i dot[8];
     for (int p = 0; p < 4; ++p) {  // code bytes 32p..32p+31: group 2p in the low nibbles, 2p + 1 in the high
       __m512i z[8], t[8];
-      for (int i = 0; i < 8; ++i)
-        z[i] = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i] + at + 16 + 32 * p))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i + 1] + at + 16 + 32 * p)), 1);
+      strip.pairs(at + 16 + 32 * p, z);
       kDotsTranspose.run(z, t);  // t[j]: bytes 4j..4j+3 of the 16 rows
       __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
       for (int j = 0; j < 8; ++j) {
@@ -280,13 +305,7 @@ void rows16_lanes(const uint8_t* base, int64_t row_bytes, int64_t blocks, const 
       dot[2 * p] = lo, dot[2 * p + 1] = hi;
     }
     __m512i z[4], header[4];
-    auto header_of = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + at)); };
-    for (int i = 0; i < 4; ++i) {
-      __m512i v = _mm512_castsi128_si512(header_of(4 * i));
-      v = _mm512_inserti32x4(v, header_of(4 * i + 1), 1);
-      v = _mm512_inserti32x4(v, header_of(4 * i + 2), 2);
-      z[i] = _mm512_inserti32x4(v, header_of(4 * i + 3), 3);
-    }
+    strip.quads(at, z);
     kHeaderTranspose.run(z, header);
     f = q4k_block_steps(dot, header, a.sum16.data() + b * 16, a.dx[b], f);
   }
@@ -411,25 +430,18 @@ void rows16_q6(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Act
 void rows16_q6_lanes(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y,
                      int64_t nrows) {
   const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
-  const uint8_t* row[16];
-  for (int r = 0; r < 16; ++r) row[r] = base + std::min<int64_t>(r, nrows - 1) * row_bytes;
-  const uint8_t* next = base + 16 * row_bytes;  // prefetched as rows16_lanes does
-  const int64_t strip_bytes = 16 * row_bytes, per_block = (strip_bytes + blocks - 1) / blocks;
+  const Strip strip(base, row_bytes, blocks, nrows);
   __m512 f = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = b * kQ6BlockBytes;
-    for (int64_t o = b * per_block; o < std::min(strip_bytes, (b + 1) * per_block); o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + o), _MM_HINT_T0);
+    strip.prefetch_next(b);
     const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + b * 256);
     __m512i dot[16];
     for (int h = 0; h < 2; ++h) {
       __m512i z[16], low[16], z8[8], high[8];
-      for (int r = 0; r < 16; ++r) z[r] = _mm512_loadu_si512(row[r] + at + 64 * h);
+      for (int r = 0; r < 16; ++r) z[r] = _mm512_loadu_si512(strip.row[r] + at + 64 * h);
       kTranspose16.run(z, low);  // low[j]: ql bytes 64h + 4j..4j+3 of the 16 rows
-      for (int i = 0; i < 8; ++i)
-        z8[i] = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i] + at + 128 + 32 * h))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i + 1] + at + 128 + 32 * h)), 1);
+      strip.pairs(at + 128 + 32 * h, z8);
       kDotsTranspose.run(z8, high);  // high[j]: qh bytes 32h + 4j..4j+3
       for (int q = 0; q < 8; ++q) dot[8 * h + q] = _mm512_setzero_si512();
       for (int j = 0; j < 16; ++j) {
@@ -445,16 +457,10 @@ void rows16_q6_lanes(const uint8_t* base, int64_t row_bytes, int64_t blocks, con
       }
     }
     __m512i z4[4], sc4[4];
-    auto scales_of = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[r] + at + 192)); };
-    for (int i = 0; i < 4; ++i) {
-      __m512i v = _mm512_castsi128_si512(scales_of(4 * i));
-      v = _mm512_inserti32x4(v, scales_of(4 * i + 1), 1);
-      v = _mm512_inserti32x4(v, scales_of(4 * i + 2), 2);
-      z4[i] = _mm512_inserti32x4(v, scales_of(4 * i + 3), 3);
-    }
+    strip.quads(at + 192, z4);
     kHeaderTranspose.run(z4, sc4);
     alignas(64) uint16_t d16[16];
-    for (int r = 0; r < 16; ++r) std::memcpy(d16 + r, row[r] + at + 208, 2);
+    for (int r = 0; r < 16; ++r) std::memcpy(d16 + r, strip.row[r] + at + 208, 2);
     const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d16)));
     f = q6k_block_steps(dot, sc4, a.sum16.data() + b * 16, d, a.dx[b], f);
   }
