@@ -79,19 +79,11 @@ def test_the_server_listens_on_loopback_unless_told_otherwise() -> None:
 def _routes(served: ServedEngine) -> list[tuple[str, str]]:
     """(method, path) of every route the app serves, path parameters filled in."""
 
-    def walk(routes: list[Any]) -> list[Any]:
-        flat = []
-        for route in routes:
-            included = getattr(route, "original_router", None)  # FastAPI keeps included routers whole
-            flat += walk(included.routes) if included is not None else [route]
-        return flat
-
     out = []
-    for route in walk(served.handle.app.routes):
+    for route in served.handle.app.routes:
         for method in sorted(getattr(route, "methods", None) or ()):
-            if method != "HEAD":
-                out.append((method, route.path.replace("{model_id:path}", "some-model")))
-    assert out, "no routes found: has FastAPI changed how it stores them?"
+            out.append((method, route.path.replace("{model_id:path}", "some-model")))
+    assert out, "no routes found: has Starlette changed how it stores them?"
     return out
 
 

@@ -1,7 +1,7 @@
 """Python's cyclic garbage collector, held off while a process starts.
 
 Why: a start allocates a few hundred thousand objects that live as long as the process (modules,
-classes, pydantic's and FastAPI's models, the engine's tables), and every time that heap grows by a
+classes, pydantic's models, the engine's tables), and every time that heap grows by a
 quarter the collector walks all of it again: ~0.05 of the ~0.45 CPU-seconds `chatapp serve` spends
 importing, on the two cores the engine's load needs at the same moment (a start to /health: 2-3%
 sooner). Reference counting still frees everything that is not in a cycle meanwhile. Once the process

@@ -1,7 +1,7 @@
 """A local OpenAI-compatible HTTP API on chatapp's shared engine (`chatapp serve`, or the TUI's switch).
 
 Names are imported on first use, so `chatapp --help` (which registers the
-`serve` subcommand) does not pay for FastAPI and the engine.
+`serve` subcommand) does not pay for the HTTP server and the engine.
 """
 
 from __future__ import annotations

@@ -9,30 +9,32 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import Request, Security
-from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import Request
 
 from chatapp.server.errors import APIError
-
-_bearer = HTTPBearer(auto_error=False, description="the key given to `chatapp serve --api-key`")
-_header = APIKeyHeader(name="x-api-key", auto_error=False, description="the same key, as Continue sends it")
 
 
 def _unauthorized(message: str, code: str) -> APIError:
     return APIError(401, message, code=code, headers={"WWW-Authenticate": "Bearer"})
 
 
-async def require_api_key(
-    request: Request,
-    bearer: HTTPAuthorizationCredentials | None = Security(_bearer),
-    header_key: str | None = Security(_header),
-) -> None:
+def bearer_token(authorization: str | None) -> str | None:
+    """The credentials of ``Authorization: Bearer <credentials>`` (the scheme in any case), else None."""
+    scheme, _, credentials = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return credentials.strip() or None
+
+
+async def require_api_key(request: Request) -> None:
+    """Raise a 401 unless the request carries the server's key (nothing to check when it has none)."""
     expected: str | None = request.app.state.api_key
     if expected is None:
         return
+    bearer, header_key = bearer_token(request.headers.get("authorization")), request.headers.get("x-api-key")
     # Either header may carry it; the right key in one is enough even if the other is wrong
     # (Continue sends "Authorization: Bearer undefined" beside its x-api-key).
-    given = [k for k in (bearer.credentials if bearer is not None else None, header_key) if k]
+    given = [k for k in (bearer, header_key) if k]
     if not given:
         raise _unauthorized(
             "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.", "missing_api_key"

@@ -7,14 +7,16 @@ always be a 4xx. The engine's exceptions are mapped here, in one place.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from chatapp.engine.api import EngineBusyError, EngineDeadError, InvalidRequestError
 from chatapp.engine.tokenizer import ChatFormatError
@@ -129,7 +131,8 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
     return exc.response()
 
 
@@ -143,49 +146,47 @@ _JSON_KINDS = {
 }
 
 
-def _json_error(request: Request, exc: RequestValidationError, error: dict[str, Any]) -> str:
+def empty_body() -> APIError:
+    return bad_request("the request body is empty: send a JSON object", None)
+
+
+def body_not_utf8(bad: UnicodeDecodeError) -> APIError:
+    return bad_request(
+        f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at position "
+        f"{bad.start} ({bad.reason}); send JSON encoded as UTF-8",
+        None,
+    )
+
+
+def body_not_json(exc: json.JSONDecodeError, request: Request) -> APIError:
     """Where the JSON broke ("Expecting ',' delimiter at line 1 column 49"), and what was sent instead."""
-    why = (error.get("ctx") or {}).get("error") or error.get("msg")
-    doc, loc = exc.body, tuple(error.get("loc", ()))
-    if isinstance(doc, str) and len(loc) == 2 and isinstance(loc[1], int):
-        line = doc.count("\n", 0, loc[1]) + 1
-        column = loc[1] - doc.rfind("\n", 0, loc[1])
-        why = f"{why} at line {line} column {column}"
-    message = f"the request body is not valid JSON: {why}"
+    message = f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
     sent_as = request.scope.get(SENT_CONTENT_TYPE)
     if sent_as and "json" not in sent_as.lower():
         message += f" (it was sent as {sent_as}; this API takes JSON)"
-    return message
+    return bad_request(message, None)
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
+def not_an_object(data: Any) -> APIError:
+    kind = _JSON_KINDS.get(type(data), "something else")
+    return bad_request(f"the request body must be a JSON object, got {kind}", None)
+
+
+def validation_failed(errors: Sequence[Any]) -> APIError:
+    """pydantic's errors for a body: the first one, its field named as the client wrote it."""
     first: dict[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    if first.get("type") == "json_invalid":
-        return bad_request(_json_error(request, exc, first), None).response()
-    if tuple(first.get("loc", ())) == ("body",):  # the body as a whole
-        if first.get("type") == "missing":
-            return bad_request("the request body is empty: send a JSON object", None).response()
-        if first.get("type") in ("model_attributes_type", "dict_type"):
-            kind = _JSON_KINDS.get(type(first.get("input")), "something else")
-            return bad_request(f"the request body must be a JSON object, got {kind}", None).response()
     if first.get("type") == "invalid_unicode":  # schemas._Body names the string itself
-        return bad_request(str(first["msg"]), first["ctx"]["param"]).response()
+        return bad_request(str(first["msg"]), first["ctx"]["param"])
     param = _param_from_loc(tuple(first.get("loc", ())))
     message = f"{param}: {first['msg']}" if param else str(first["msg"])
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return bad_request(message, param).response()
+    return bad_request(message, param)
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parsing
-        bad = exc.__cause__
-        message = (
-            f"the request body is not valid UTF-8: byte 0x{bad.object[bad.start]:02x} at position "
-            f"{bad.start} ({bad.reason}); send JSON encoded as UTF-8"
-        )
-    elif exc.status_code == 404:
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
         message = f"no such route: {request.method} {request.url.path}"
     elif exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
@@ -201,14 +202,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     ).response()
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(_: Request, exc: Exception) -> Response:
     log.exception("unhandled error in the HTTP server", exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
-def install_handlers(app: FastAPI) -> None:
-    # FastAPI's decorator form: Starlette's add_exception_handler types its handlers as taking any Exception.
-    app.exception_handler(APIError)(_api_error)
-    app.exception_handler(RequestValidationError)(_validation_error)
-    app.exception_handler(StarletteHTTPException)(_http_error)
-    app.exception_handler(Exception)(_unexpected)
+def install_handlers(app: Starlette) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

@@ -1,6 +1,6 @@
 """Whether a server address is reachable from other machines, and the warning when it is without a key.
 
-Its own module, free of FastAPI: `chatapp serve` checks the address before it imports the server.
+Its own module, free of the HTTP server's imports: `chatapp serve` checks the address before it imports the server.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import Request
+from starlette.requests import Request
 
 from chatapp.engine.api import EngineClient, context_length_error
 from chatapp.engine.guided import GuidedDecoding

@@ -1,6 +1,6 @@
 """Whether chatapp's own API answers at an address (another window of the TUI may serve it).
 
-Its own module, free of FastAPI: the TUI asks when its API port is taken, to tell "another chatapp
+Its own module, free of the HTTP server's imports: the TUI asks when its API port is taken, to tell "another chatapp
 window serves it, on the same engine" from "another program holds the port".
 """
 

@@ -15,7 +15,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.applications import Starlette
 
 from chatapp.engine.api import EngineClient
 from chatapp.server.app import create_app
@@ -41,7 +41,7 @@ class ServerHandle:
     url: str
     host: str
     port: int
-    app: FastAPI
+    app: Starlette
     _server: _EmbeddedServer = field(repr=False)
     _task: asyncio.Task[None] = field(repr=False)
 

@@ -11,7 +11,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi.responses import StreamingResponse
+from starlette.responses import StreamingResponse
 
 from chatapp.server.errors import APIError
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import Request
+from starlette.requests import Request
 
 from chatapp.engine.api import (
     EngineClient,
@@ -226,5 +226,5 @@ class ServerState:
 
 
 def get_state(request: Request) -> ServerState:
-    """FastAPI dependency: the app's ServerState."""
+    """The app's ServerState (routing.py hands it to the routes that name ``state``)."""
     return request.app.state.server

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from starlette.requests import Request
 
 from chatapp.engine.api import EngineClient
 from chatapp.engine.sampling_params import SamplingParams
@@ -16,12 +16,13 @@ from chatapp.server import generation as gen
 from chatapp.server.answers import AnswerShape
 from chatapp.server.errors import bad_request, unsupported
 from chatapp.server.logprobs import chat_logprobs, without_end_of_turn
-from chatapp.server.schemas import ChatCompletion, ChatCompletionRequest, ErrorResponse
+from chatapp.server.routing import Router
+from chatapp.server.schemas import ChatCompletion, ChatCompletionRequest
 from chatapp.server.sse import event_stream
-from chatapp.server.state import ServerState, get_state
+from chatapp.server.state import ServerState
 from chatapp.server.tool_calls import plan_tools
 
-router = APIRouter()
+router = Router()
 
 _UNSUPPORTED_PARTS = {
     "image_url": "image input",
@@ -109,18 +110,10 @@ async def prepare_chat(body: ChatCompletionRequest, state: ServerState) -> ChatJ
 
 
 @router.post(
-    "/v1/chat/completions",
-    response_model=ChatCompletion,
-    responses={
-        400: {"model": ErrorResponse},
-        404: {"model": ErrorResponse},
-        503: {"model": ErrorResponse},
-        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"},
-    },
+    "/v1/chat/completions", body=ChatCompletionRequest, answer=ChatCompletion, errors=(400, 404, 503), streams=True
 )
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)
-) -> Any:
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerState) -> Any:
+    """Answer a conversation, whole or streamed."""
     job = await prepare_chat(body, state)
     client, prompt, n = job.client, job.prompt, job.n
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from starlette.requests import Request
 
 from chatapp.engine.api import EngineClient
 from chatapp.server import generation as gen
@@ -18,26 +18,19 @@ from chatapp.server.logprobs import (
     join_columns,
     without_end_of_turn,
 )
-from chatapp.server.schemas import Completion, CompletionRequest, ErrorResponse
+from chatapp.server.routing import Router
+from chatapp.server.schemas import Completion, CompletionRequest
 from chatapp.server.sse import event_stream
-from chatapp.server.state import ServerState, get_state
+from chatapp.server.state import ServerState
 
-router = APIRouter()
+router = Router()
 
 MAX_PROMPTS = 64
 
 
-@router.post(
-    "/v1/completions",
-    response_model=Completion,
-    responses={
-        400: {"model": ErrorResponse},
-        404: {"model": ErrorResponse},
-        503: {"model": ErrorResponse},
-        200: {"content": {"text/event-stream": {}}, "description": "with stream: true, SSE chunks"},
-    },
-)
-async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
+@router.post("/v1/completions", body=CompletionRequest, answer=Completion, errors=(400, 404, 503), streams=True)
+async def completions(body: CompletionRequest, request: Request, state: ServerState) -> Any:
+    """Continue one or more prompts (text or token ids), whole or streamed."""
     client, model = await state.engine_for(body.model)
     info = client.model_info
     if body.suffix:

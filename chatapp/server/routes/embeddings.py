@@ -6,14 +6,15 @@ import base64
 import struct
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from starlette.requests import Request
 
 from chatapp.server import generation as gen
 from chatapp.server.errors import unsupported
-from chatapp.server.schemas import EmbeddingList, EmbeddingRequest, ErrorResponse
-from chatapp.server.state import ServerState, get_state
+from chatapp.server.routing import Router
+from chatapp.server.schemas import EmbeddingList, EmbeddingRequest
+from chatapp.server.state import ServerState
 
-router = APIRouter()
+router = Router()
 
 MAX_INPUTS = 256
 
@@ -23,12 +24,9 @@ def encode_base64(vector: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-@router.post(
-    "/v1/embeddings",
-    response_model=EmbeddingList,
-    responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
-)
-async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
+@router.post("/v1/embeddings", body=EmbeddingRequest, answer=EmbeddingList, errors=(400, 404, 503))
+async def embeddings(body: EmbeddingRequest, request: Request, state: ServerState) -> Any:
+    """Embed texts or token ids: mean-pooled, L2-normalised final hidden states."""
     client, model = await state.engine_for(body.model)
     info = client.model_info
     if body.dimensions is not None:

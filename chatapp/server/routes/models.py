@@ -10,13 +10,12 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from fastapi import APIRouter, Depends
-
 from chatapp.server.errors import APIError
-from chatapp.server.schemas import ErrorResponse, ModelCard, ModelList
-from chatapp.server.state import ServerState, get_state
+from chatapp.server.routing import Router
+from chatapp.server.schemas import ModelCard, ModelList
+from chatapp.server.state import ServerState
 
-router = APIRouter()
+router = Router()
 log = logging.getLogger(__name__)
 
 OWNER = "chatapp"
@@ -65,13 +64,15 @@ async def _cards(state: ServerState) -> list[ModelCard]:
     return cards
 
 
-@router.get("/v1/models", response_model=ModelList)
-async def list_models(state: ServerState = Depends(get_state)) -> ModelList:
+@router.get("/v1/models", answer=ModelList)
+async def list_models(state: ServerState) -> ModelList:
+    """Every local model that answers on this port, the default one first."""
     return ModelList(data=await _cards(state))
 
 
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
-async def get_model(model_id: str, state: ServerState = Depends(get_state)) -> ModelCard:
+@router.get("/v1/models/{model_id:path}", answer=ModelCard, errors=(404,))
+async def get_model(model_id: str, state: ServerState) -> ModelCard:
+    """One model's card."""
     for card in await _cards(state):
         if card.id == model_id:
             return card

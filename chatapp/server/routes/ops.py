@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 
 from chatapp.engine.api import EngineBusyError, EngineDeadError, EngineStats
 from chatapp.server.errors import RETRY_AFTER_SECONDS
 from chatapp.server.probe import SERVER_NAME
-from chatapp.server.state import ServerState, get_state
+from chatapp.server.routing import Router
+from chatapp.server.state import ServerState
 
-health_router = APIRouter()
-metrics_router = APIRouter()
+health_router = Router()
+metrics_router = Router()
 
 # (EngineStats field, metric name, type, help)
 _METRICS = [
@@ -74,8 +74,9 @@ async def _engine_stats(state: ServerState) -> tuple[str, EngineStats | None]:
         return "loading", None
 
 
-@health_router.get("/health", responses={503: {"description": "the engine is loading or restarting"}})
-async def health(state: ServerState = Depends(get_state)) -> JSONResponse:
+@health_router.get("/health", errors=(503,))
+async def health(state: ServerState) -> JSONResponse:
+    """200 once the engine is ready; 503 with Retry-After while it loads or restarts."""
     phase, _ = await _engine_stats(state)
     body = {"status": "ok" if phase == "ready" else phase, "model": state.model_id(), "server": SERVER_NAME}
     if phase == "ready":
@@ -87,8 +88,9 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-@metrics_router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(state: ServerState = Depends(get_state)) -> PlainTextResponse:
+@metrics_router.get("/metrics", text=True)
+async def metrics(state: ServerState) -> PlainTextResponse:
+    """The engine's counters in Prometheus' text format."""
     phase, stats = await _engine_stats(state)
     labels = f'{{model="{_label(state.model_id())}"}}'
     lines = [

@@ -13,16 +13,17 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from chatapp.server import generation as gen
 from chatapp.server.errors import APIError, bad_request, unsupported
 from chatapp.server.routes.chat import ChatJob, prepare_chat
-from chatapp.server.schemas import ChatCompletionRequest, ErrorResponse, ResponsesRequest
-from chatapp.server.state import ServerState, get_state
+from chatapp.server.routing import Router
+from chatapp.server.schemas import ChatCompletionRequest, ResponsesRequest
+from chatapp.server.state import ServerState
 
-router = APIRouter()
+router = Router()
 
 _TEXT_TYPES = ("input_text", "output_text", "text")
 
@@ -194,8 +195,9 @@ def _reasoning_item(text: str) -> dict[str, Any]:
     }
 
 
-@router.post("/v1/responses", responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
-async def create_response(body: ResponsesRequest, request: Request, state: ServerState = Depends(get_state)) -> Any:
+@router.post("/v1/responses", body=ResponsesRequest, errors=(400, 404, 503), streams=True)
+async def create_response(body: ResponsesRequest, request: Request, state: ServerState) -> Any:
+    """OpenAI's Responses API, the stateless subset, run as a chat completion."""
     job = await prepare_chat(_chat_request(body), state)
     out = _Output(body, job)
     streams = gen.ChoiceStreams(job.client, [job.prompt], job.params, out.id)
