@@ -18,6 +18,7 @@ from chatapp.engine.tokenizer import (
     ChatFormatError,
     TextTokenizer,
     Tokenizer,
+    clients_build_tokenizer,
     gguf_tokenizer_cache,
     load_hf_tokenizer,
     prepare_tokenizer_files,
@@ -480,3 +481,55 @@ def test_a_vocabulary_without_gpt2s_end_of_text_gets_no_extra_token(tmp_path: Pa
     assert GPT2_END_OF_TEXT not in ours["model"]["vocab"]
     a = TextTokenizer(tmp_path / "ours")
     assert len(a) == len(ours["model"]["vocab"]) and max(a.encode(f"x{GPT2_END_OF_TEXT}y")) < len(a)
+
+
+def test_only_a_byte_level_gguf_tokenizer_is_left_to_the_clients(tmp_path: Path) -> None:
+    assert clients_build_tokenizer(bundled_gguf_path())
+    assert not clients_build_tokenizer(_tokenizer_only_gguf(tmp_path / "other.gguf", pre="deepseek-llm"))
+    assert not clients_build_tokenizer(tmp_path)  # a model directory: its own files, or transformers'
+
+
+def test_the_engine_load_does_not_wait_for_a_client_building_the_tokenizer(tmp_path: Path, monkeypatch) -> None:
+    """A byte-level BPE GGUF file's tokenizer is each client's to build: the engine's load used to wait on the
+    build lock until the first client's build was done (~0.14 s of a 1B file's first start), and wrote nothing
+    of its own. Here a client holds the lock for as long as the load takes."""
+    from chatapp.engine.config import EngineConfig
+    from chatapp.engine.model_loader import ModelLoader
+    from chatapp.engine.model_pool import ModelSlot
+    from tests.gguf_models import write_llama_gguf
+
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf")
+    config = EngineConfig(model=str(gguf), device="cpu", max_model_len=256, kv_cache_memory_gib=0.01)
+    loader = ModelLoader(config, ModelSlot(str(gguf), pinned=True))
+    cache = gguf_tokenizer_cache(gguf)
+    with tokenizer_module._build_lock(cache):  # a client's build under way
+        loader.start()
+        loader.join(timeout=60)  # seconds where the load takes ~2: only a wait on the lock runs past it
+        assert not loader.is_alive(), "the load waited for the client's tokenizer build"
+    assert loader.error is None and loader.core is not None
+    assert not cache.exists()  # the client's build writes the files, not the engine
+
+
+async def test_a_client_starts_its_tokenizer_before_it_looks_for_an_engine(monkeypatch) -> None:
+    """The build used to begin when the engine's "loading" message was read: in `chatapp serve`, only after
+    the HTTP server's imports, and a first start then waited ~0.14 s for it once the engine was ready."""
+    from chatapp.engine.api import EngineDeadError
+    from chatapp.engine.client import AsyncEngineClient
+    from chatapp.engine.config import EngineConfig
+
+    client = AsyncEngineClient(EngineConfig(model=str(bundled_gguf_path())))
+    building: list[bool] = []
+
+    async def attach() -> None:
+        building.append(client._tokenizer_preload is not None)
+        raise EngineDeadError("no engine in this test")
+
+    monkeypatch.setattr(client, "_attach", attach)
+    with pytest.raises(EngineDeadError):
+        await client.start()
+    assert building == [True]
+    assert client._tokenizer_preload is not None
+    _path, task = client._tokenizer_preload
+    assert isinstance(await task, Tokenizer)  # the preload is a whole tokenizer, for the model asked for
+    await client.close()

@@ -15,7 +15,7 @@ from chatapp.engine.api import ModelInfo
 from chatapp.engine.config import EngineConfig
 from chatapp.engine.core import EngineCore
 from chatapp.engine.model_pool import GIB, MemoryBudget, ModelSlot, estimate_weight_bytes
-from chatapp.engine.tokenizer import prepare_tokenizer_files
+from chatapp.engine.tokenizer import clients_build_tokenizer, prepare_tokenizer_files
 
 log = logging.getLogger("chatapp.engine.process")
 
@@ -40,8 +40,9 @@ class ModelLoader(threading.Thread):
                 self.config = fit_default_model(self.config, self.budget)
             core = EngineCore(self.config)
             # Built once per GGUF file (transformers, here where torch is loaded anyway), so the
-            # clients that attach load only tokenizer.json and the template.
-            prepare_tokenizer_files(core.model.path)
+            # clients that attach load only tokenizer.json and the template; not where clients build it.
+            if not clients_build_tokenizer(core.model.path):
+                prepare_tokenizer_files(core.model.path)
             self.core = core
         except BaseException as exc:  # reported to the clients by the loop, never lost
             log.exception("loading the model failed")
