@@ -1,7 +1,7 @@
 """Random but valid GGUF blocks of every type our kernels take (the `gguf` package writes only some).
 
 Codes and integer scales are random bytes; the fp16 scale fields get sane magnitudes, so the
-weights they make are finite and of a chosen size. Tests and benchmarks/synthetic_gguf.py use it.
+weights they make are finite and of a chosen size. Tests and benchmarks/gguf_files.py use it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The weights are random but valid blocks of each type (tests/gguf_blocks.py), so a file of any
 GGUF type our loader takes can be made here without llama.cpp. The tokenizer and chat template
 are copied from the bundled SmolLM2 file, so prompts and detokenisation are real.
-benchmarks/synthetic_gguf.py writes the 135M, ~1B and ~7B shapes with the same code.
+benchmarks/gguf_files.py writes the 135M, ~1B and ~7B shapes with the same code.
 """
 
 from __future__ import annotations
