@@ -10,7 +10,6 @@
 // lanes at once, in its order: s = the block's exact int32 dot (less the codes' offset x the activations' sum),
 // f = fma(float(s << shift), d, f) block by block, y = f x unit.
 #include <immintrin.h>
-#include <omp.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -170,24 +169,16 @@ py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::arra
   py::array_t<float> y(n);
   float* yp = y.mutable_data();
   const uint8_t* base = raw.data();
-  double best = 1e30;
-  for (int rep = 0; rep < reps; ++rep) {
-    const double start = omp_get_wtime();
-    if (reference) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t r = 0; r < n; ++r) yp[r] = row_reference(base + r * row_bytes, blocks, ggml_type, a);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t t = 0; t < (n + 15) / 16; ++t) {
-        const int64_t rows = std::min<int64_t>(16, n - t * 16);
+  const double best = native_layout::fastest_run(
+      n, threads, reps, reference,
+      [&](int64_t r) { yp[r] = row_reference(base + r * row_bytes, blocks, ggml_type, a); },
+      [&](int64_t t, int64_t rows) {
+        const uint8_t* strip = base + t * 16 * row_bytes;
         if (ggml_type == kQ4_0)
-          rows16_q4_0(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
+          rows16_q4_0(strip, row_bytes, blocks, a, yp + t * 16, rows);
         else
-          rows16_q8_0(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
-      }
-    }
-    best = std::min(best, omp_get_wtime() - start);
-  }
+          rows16_q8_0(strip, row_bytes, blocks, a, yp + t * 16, rows);
+      });
   return py::make_tuple(y, best);
 }
 

@@ -18,7 +18,6 @@
 // over the 8 groups, y = fma(fsum, d * dx, y), y = fnmadd(imin, dmin * dx, y); Q6_K fsum = fma chain over the 16
 // sub-blocks of (dot - 32 * sum of their activations) x scale, y = fma(fsum, d * dx, y).
 #include <immintrin.h>
-#include <omp.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -390,29 +389,22 @@ py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::arra
   py::array_t<float> y(n);
   float* yp = y.mutable_data();
   const uint8_t* base = raw.data();
-  double best = 1e30;
-  for (int rep = 0; rep < reps; ++rep) {
-    const double start = omp_get_wtime();
-    if (reference) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t r = 0; r < n; ++r)
+  const double best = native_layout::fastest_run(
+      n, threads, reps, reference,
+      [&](int64_t r) {
         yp[r] = q6 ? row_reference_q6(base + r * row_bytes, blocks, a) : row_reference(base + r * row_bytes, blocks, a);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t t = 0; t < (n + 15) / 16; ++t) {
-        const int64_t rows = std::min<int64_t>(16, n - t * 16);
+      },
+      [&](int64_t t, int64_t rows) {
+        const uint8_t* strip = base + t * 16 * row_bytes;
         if (q6 && lanes)
-          rows16_q6_lanes(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
+          rows16_q6_lanes(strip, row_bytes, blocks, a, yp + t * 16, rows);
         else if (q6)
-          rows16_q6(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
+          rows16_q6(strip, row_bytes, blocks, a, yp + t * 16, rows);
         else if (lanes)
-          rows16_lanes(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
+          rows16_lanes(strip, row_bytes, blocks, a, yp + t * 16, rows);
         else
-          rows16(base + t * 16 * row_bytes, row_bytes, blocks, a, yp + t * 16, rows);
-      }
-    }
-    best = std::min(best, omp_get_wtime() - start);
-  }
+          rows16(strip, row_bytes, blocks, a, yp + t * 16, rows);
+      });
   return py::make_tuple(y, best);
 }
 

@@ -3,6 +3,7 @@
 // registers that hold one row a lane, as our packed tiles do.
 #pragma once
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -107,5 +108,24 @@ struct Strip {
                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[2 * i + 1] + at)), 1);
   }
 };
+
+// Runs `reps` times over n rows, on `threads` threads: reference(r) for each row, or strip(t, rows) for each strip t of
+// 16 (its last one `rows` long); returns the fastest run's seconds.
+template <class Reference, class Strip16>
+double fastest_run(int64_t n, int threads, int reps, bool reference, Reference&& one_row, Strip16&& strip) {
+  double best = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    const double start = omp_get_wtime();
+    if (reference) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t r = 0; r < n; ++r) one_row(r);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t t = 0; t < (n + 15) / 16; ++t) strip(t, std::min<int64_t>(16, n - t * 16));
+    }
+    best = std::min(best, omp_get_wtime() - start);
+  }
+  return best;
+}
 
 }  // namespace native_layout
