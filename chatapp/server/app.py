@@ -47,8 +47,7 @@ def create_app(
 
     async def openapi_json(request: Request) -> Response:
         nonlocal described
-        if api_key:
-            await require_api_key(request)
+        await require_api_key(request)  # a no-op without a key
         if described is None:  # built when first asked for: pydantic's schema work is nobody else's wait
             described = openapi.document(TITLE, __version__, DESCRIPTION, open_routes, keyed_routes, bool(api_key))
         return JSONResponse(described)
