@@ -35,8 +35,8 @@ constexpr int64_t kBlock = 32;
 constexpr int32_t kMaxShift = 11;
 constexpr float kPow2[kMaxShift + 2] = {1.f, 2.f, 4.f, 8.f, 16.f, 32.f, 64.f, 128.f, 256.f, 512.f, 1024.f, 2048.f, 4096.f};
 
-int64_t block_bytes(int type) { return type == kQ4_0 ? 18 : 34; }
-int32_t code_offset(int type) { return type == kQ4_0 ? 8 : 128; }  // Q8_0's codes go in as unsigned bytes, + 128
+constexpr int64_t block_bytes(int type) { return type == kQ4_0 ? 18 : 34; }
+constexpr int32_t code_offset(int type) { return type == kQ4_0 ? 8 : 128; }  // Q8_0's codes go in as unsigned bytes, + 128
 
 // The activations as block_quant.cpp's quantize_row makes them for one row: int8 codes, the row's unit, and each
 // block's shift and code sum.
@@ -102,54 +102,46 @@ inline __m512i row_offsets(int64_t row_bytes, int64_t nrows) {
   return _mm512_load_si512(at);
 }
 
-// 16 rows of Q4_0: per block, the 16 rows' 16 code bytes transposed (register j: bytes 4j..4j+3 of every row, whose
-// low nibbles are inputs 4j.. and high nibbles inputs 16 + 4j..).
-void rows16_q4_0(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y,
-                 int64_t nrows) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F), offsets = row_offsets(row_bytes, nrows);
-  const Strip strip(base, row_bytes, blocks, nrows);
-  __m512 f = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t at = b * 18;
-    strip.prefetch_next(b);
-    const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + b * kBlock);
+// The two chains of a block's dots for 16 rows, one row a lane: inputs 0-15 into s0, 16-31 into s1, the codes as
+// unsigned bytes (Q4_0's 0..15; Q8_0's flipped to + 128, as our tiles store them). Q4_0: the rows' 16 code bytes
+// transposed (register j: bytes 4j..4j+3, whose low nibbles are inputs 4j.. and high nibbles 16 + 4j..); Q8_0: their
+// 32 (register j: codes 4j..4j+3).
+template <int kType>
+inline void block_dots(const Strip& strip, int64_t codes_at, const int32_t* xq, __m512i& s0, __m512i& s1) {
+  s0 = s1 = _mm512_setzero_si512();
+  if constexpr (kType == kQ4_0) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512i z[4], t[4];
-    strip.quads(at + 2, z);
+    strip.quads(codes_at, z);
     kHeaderTranspose.run(z, t);
-    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(t[j], nibble), _mm512_set1_epi32(xq[j]));
       s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(t[j], 4), nibble), _mm512_set1_epi32(xq[4 + j]));
     }
-    __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(8 * a.qsum[b]));
-    s = _mm512_sllv_epi32(s, _mm512_set1_epi32(a.shift[b]));
-    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), gather_scales(base, offsets, at), f);
-  }
-  alignas(64) float out[16];
-  _mm512_store_ps(out, _mm512_mul_ps(f, _mm512_set1_ps(a.unit)));
-  std::copy(out, out + nrows, y);
-}
-
-// 16 rows of Q8_0: per block, the 16 rows' 32 code bytes transposed (register j: codes 4j..4j+3 of every row),
-// flipped to unsigned (+ 128) for the dot, as our tiles store them.
-void rows16_q8_0(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y,
-                 int64_t nrows) {
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), offsets = row_offsets(row_bytes, nrows);
-  const Strip strip(base, row_bytes, blocks, nrows);
-  __m512 f = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t at = b * 34;
-    strip.prefetch_next(b);
-    const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + b * kBlock);
+  } else {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512i z[8], t[8];
-    strip.pairs(at + 2, z);
+    strip.pairs(codes_at, z);
     kDotsTranspose.run(z, t);
-    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(t[j], flip), _mm512_set1_epi32(xq[j]));
       s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(t[4 + j], flip), _mm512_set1_epi32(xq[4 + j]));
     }
-    __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.qsum[b]));
+  }
+}
+
+// 16 rows of Q4_0 or Q8_0, the tile kernel's float steps per block: f = fma(float((s - offset x qsum) << shift), d, f).
+template <int kType>
+void rows16(const uint8_t* base, int64_t row_bytes, int64_t blocks, const Activations& a, float* y, int64_t nrows) {
+  const __m512i offsets = row_offsets(row_bytes, nrows);
+  const Strip strip(base, row_bytes, blocks, nrows);
+  __m512 f = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = b * block_bytes(kType);
+    strip.prefetch_next(b);
+    __m512i s0, s1;
+    block_dots<kType>(strip, at + 2, reinterpret_cast<const int32_t*>(a.q.data() + b * kBlock), s0, s1);
+    __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(code_offset(kType) * a.qsum[b]));
     s = _mm512_sllv_epi32(s, _mm512_set1_epi32(a.shift[b]));
     f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), gather_scales(base, offsets, at), f);
   }
@@ -175,9 +167,9 @@ py::tuple linear(const py::array_t<float, py::array::c_style>& x, const py::arra
       [&](int64_t t, int64_t rows) {
         const uint8_t* strip = base + t * 16 * row_bytes;
         if (ggml_type == kQ4_0)
-          rows16_q4_0(strip, row_bytes, blocks, a, yp + t * 16, rows);
+          rows16<kQ4_0>(strip, row_bytes, blocks, a, yp + t * 16, rows);
         else
-          rows16_q8_0(strip, row_bytes, blocks, a, yp + t * 16, rows);
+          rows16<kQ8_0>(strip, row_bytes, blocks, a, yp + t * 16, rows);
       });
   return py::make_tuple(y, best);
 }
