@@ -94,10 +94,17 @@ class ArrayRunner:
         check_fits(self.weight_bytes, self.num_blocks * self.bytes_per_block(), mc)
         start = time.perf_counter()
         self.weight_arena = WeightArena(weight_arena_bytes(source.gguf, self.weight_bytes))
-        self.model: ArrayModel = load_array_model(source.gguf, mc, config.max_model_len, ext, self.weight_arena)
-        log.info("loaded %s weights (gguf) in %.2f s", mc.architecture, time.perf_counter() - start)
+        self.model: ArrayModel = load_array_model(
+            source.gguf, mc, config.max_model_len, ext, self.weight_arena, defer_packing=True
+        )
+        log.info(
+            "loaded %s weights (gguf) in %.2f s%s",
+            mc.architecture,
+            time.perf_counter() - start,
+            "; their tiles are packed in the background" if self.model.packer is not None else "",
+        )
         if config.huge_pages:
-            collapse_in_background(self.weight_arena, source.gguf.path.name, Pacer())
+            collapse_in_background(self.weight_arena, source.gguf.path.name, Pacer(), self.model.packer)
         self.sampler = ArraySampler()
         self.kv_caches = self._allocate_kv_caches()
         self._k_caches = [k for k, _ in self.kv_caches]
@@ -119,6 +126,12 @@ class ArrayRunner:
         return [(pool[i, 0].reshape(key_shape), pool[i, 1]) for i in range(mc.num_layers)]
 
     # -- one step -----------------------------------------------------------
+
+    def weights_ready(self, timeout_s: float) -> bool:
+        """Whether the weights' tiles are filled (or their packing failed: the forward then says why), waiting at
+        most timeout_s for them. Why ask: a step run before then would block the engine's loop while they pack."""
+        packer = self.model.packer
+        return packer is None or packer.wait_for(timeout_s)
 
     def execute(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> StepResult:
         """Run one forward over the batch and sample where a request reached its end."""

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _RECENT_STEPS = 64
+# A step finding the weights still being packed (weight_packer.py) waits this long for them, then lets the loop
+# answer its clients: the loop neither blocks for the whole packing nor spins beside it.
+WEIGHTS_POLL_S = 0.005
 
 
 class EngineCore:
@@ -185,6 +188,8 @@ class EngineCore:
         if self._compiling:
             self._admit_compiled()
         outputs, self._pending = self._pending, []
+        if not self.runner.weights_ready(WEIGHTS_POLL_S):
+            return outputs  # the weights are still being packed: the loop answers clients meanwhile
         batch = self.scheduler.schedule()
         if batch and self._can_overlap(batch):
             return outputs + self._overlapped_step(batch, step_start)

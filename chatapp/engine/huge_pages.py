@@ -33,6 +33,7 @@ from chatapp.engine.step_inputs import untouched_zeros
 
 if TYPE_CHECKING:
     from chatapp.engine.models.gguf_file import GGUFModelFile
+    from chatapp.engine.weight_packer import WeightPacker
 
 log = logging.getLogger(__name__)
 
@@ -171,20 +172,24 @@ class Pacer:
             self._sleep(_POLL_S)
 
 
-def collapse_in_background(arena: WeightArena, name: str, pacer: Pacer | None = None) -> threading.Thread | None:
+def collapse_in_background(
+    arena: WeightArena, name: str, pacer: Pacer | None = None, packer: WeightPacker | None = None
+) -> threading.Thread | None:
     """Start moving the arena's weights into huge pages on a lowest-priority thread (Linux only), a page at a
-    time as ``pacer`` allows.
+    time as ``pacer`` allows, once ``packer`` (where the weights are still being packed) has filled them:
+    collapsing an unfilled page would commit memory the packing then writes anyway, beside it.
 
-    The thread holds the arena only weakly: once the model is unloaded it stops at the next page."""
+    The thread holds the arena and the packer only weakly: once the model is unloaded it stops."""
     if not sys.platform.startswith("linux"):
         return None
     address, length = arena.huge_page_span()
     if length == 0:
         return None
     mapping = weakref.ref(arena.mapping())
+    packing = weakref.ref(packer) if packer is not None else None
     thread = threading.Thread(
         target=_collapse_logged,
-        args=(mapping, address, length, name, pacer),
+        args=(mapping, address, length, name, pacer, packing),
         name="chatapp-huge-pages",
         daemon=True,
     )
@@ -208,10 +213,21 @@ def wait_for_collapses(timeout_s: float) -> bool:
 
 
 def _collapse_logged(
-    mapping: weakref.ref[mmap.mmap], address: int, length: int, name: str, pacer: Pacer | None
+    mapping: weakref.ref[mmap.mmap],
+    address: int,
+    length: int,
+    name: str,
+    pacer: Pacer | None,
+    packing: weakref.ref[WeightPacker] | None = None,
 ) -> None:
     with contextlib.suppress(OSError, AttributeError):  # this thread alone: the engine keeps its priority
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOWEST_PRIORITY)
+    while packing is not None and (packer := packing()) is not None:
+        if packer.wait_for(_POLL_S * 5):
+            if packer.failed:
+                return
+            break
+        del packer  # held only while waiting: an unloaded model's packer goes
     time.sleep(START_DELAY_S)
     report = collapse(mapping, address, length, pacer.wait if pacer else None)
     made = report.collapsed * HUGE_PAGE / 2**20

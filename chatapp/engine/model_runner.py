@@ -345,6 +345,10 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------
 
+    def weights_ready(self, timeout_s: float) -> bool:
+        """True: this runner's weights are in place from its load on (ArrayRunner's may still be packing)."""
+        return True
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, block_ids: dict[str, list[int]]) -> StepResult:
         """Run one forward over the batch and sample where a request reached its end."""

@@ -433,12 +433,16 @@ class CpuModel {
 
 namespace {
 
-// repack_gguf with numpy arrays: fills `out` (zeroed uint8 [tiles, blocks, tile bytes]); returns the kind.
+// repack_gguf with numpy arrays: fills `out` (zeroed uint8 [tiles, blocks, tile bytes]); returns the kind. The GIL
+// is let go while the blocks are packed: a model's weights are packed on a thread of its own while the engine's
+// loop answers clients (weight_packer.py). The caller's arrays outlive the call, and with them the views.
 int64_t repack_gguf_array(const py::array& raw, int64_t ggml_type, int64_t k, const py::object& row_order,
                           const py::array& out) {
   std::optional<at::Tensor> order;
   if (!row_order.is_none()) order = array_view(py::reinterpret_borrow<py::array>(row_order));
-  return std::get<1>(repack_gguf(array_view(raw), ggml_type, k, order, array_view(out)));
+  const at::Tensor raw_view = array_view(raw), out_view = array_view(out);
+  py::gil_scoped_release released;
+  return std::get<1>(repack_gguf(raw_view, ggml_type, k, order, out_view));
 }
 
 }  // namespace

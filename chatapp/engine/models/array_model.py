@@ -18,6 +18,7 @@ from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gguf_file import GGUFModelFile, GGUFTensor
 from chatapp.engine.models.gguf_weights import GGUFWeights, check_embedding, check_layer_count, dequantize_rows
 from chatapp.engine.models.rope_arrays import rope_tables
+from chatapp.engine.weight_packer import WeightPacker
 
 Tables = tuple[np.ndarray, np.ndarray]
 
@@ -25,13 +26,30 @@ Tables = tuple[np.ndarray, np.ndarray]
 class ArrayModel:
     """Token ids and positions of a flattened batch in, final hidden states and logits out."""
 
-    def __init__(self, mc: ModelConfig, cpu: Any, embedding: GGUFTensor, tables: Tables, local: Tables) -> None:
+    def __init__(
+        self,
+        mc: ModelConfig,
+        cpu: Any,
+        embedding: GGUFTensor,
+        tables: Tables,
+        local: Tables,
+        packer: WeightPacker | None = None,
+    ) -> None:
         self.config = mc
         self.cpu = cpu  # the extension's CpuModel, its LM head set
+        self.packer = packer  # filling the CpuModel's tiles after the engine is ready; None once they are full
         self._embedding = embedding
         self._tables, self._local_tables = tables, local
         # Gemma scales embeddings by sqrt(hidden), rounded to float32 first as Hugging Face does.
         self._embed_scale = np.float32(mc.hidden_size**0.5) if mc.is_gemma else None
+
+    def wait_for_weights(self) -> None:
+        """Return once every tile is packed (at once after the first call); raise PackingFailed where the
+        packing failed, on every call: the model cannot compute."""
+        if self.packer is None:
+            return
+        self.packer.wait()
+        self.packer = None
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         """float32 [T, hidden]: each token's row, de-quantised exactly (a new array the loop may write)."""
@@ -62,6 +80,7 @@ class ArrayModel:
         block_tables: np.ndarray,
     ) -> np.ndarray:
         """Final-normed hidden states [T, hidden] (the keys and values go into the caches)."""
+        self.wait_for_weights()
         (cos, sin), (local_cos, local_sin) = self.rope(positions)
         hidden: np.ndarray = self.cpu.forward_arrays(
             self.embed(token_ids),
@@ -80,6 +99,7 @@ class ArrayModel:
 
     def compute_logits(self, hidden: np.ndarray) -> np.ndarray:
         """float32 [rows, vocab]; Gemma 2's final soft-cap applied."""
+        self.wait_for_weights()
         logits: np.ndarray = self.cpu.head_arrays(np.ascontiguousarray(hidden, dtype=np.float32))
         cap = self.config.final_logit_softcapping
         if cap is not None:
@@ -88,12 +108,18 @@ class ArrayModel:
 
 
 def load_array_model(
-    gguf: GGUFModelFile, mc: ModelConfig, max_positions: int, ext: ModuleType, arena: WeightArena | None = None
+    gguf: GGUFModelFile,
+    mc: ModelConfig,
+    max_positions: int,
+    ext: ModuleType,
+    arena: WeightArena | None = None,
+    defer_packing: bool = False,
 ) -> ArrayModel:
     """Read the file into the extension's CpuModel (weights shared with the arrays, not copied), the packed
-    weights carved from ``arena`` where one is given."""
+    weights carved from ``arena`` where one is given. defer_packing: the tiles are filled on a background
+    thread (weight_packer.py) that starts here; the model's first forward waits for it."""
     check_layer_count(gguf, mc)
-    weights = GGUFWeights(gguf, mc, arena)
+    weights = GGUFWeights(gguf, mc, arena, defer_packing=defer_packing)
     cpu = ext.CpuModel(
         mc.num_heads,
         mc.num_kv_heads,
@@ -126,4 +152,9 @@ def load_array_model(
     local = tables
     if mc.is_gemma and mc.local_rope_theta is not None:  # Gemma 3: local layers take their own base, unscaled
         local = rope_tables(mc.head_dim, max_positions, mc.local_rope_theta, None, mc.rotary_dim, ext.cos_sin)
-    return ArrayModel(mc, cpu, check_embedding(gguf, mc), tables, local)
+    embedding = check_embedding(gguf, mc)
+    packer = None
+    if weights.pack_jobs:
+        packer = WeightPacker(weights.pack_jobs, gguf.path.name)
+        packer.start()
+    return ArrayModel(mc, cpu, embedding, tables, local, packer)

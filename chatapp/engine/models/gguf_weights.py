@@ -29,6 +29,7 @@ from chatapp.engine.block_kinds import (
 from chatapp.engine.huge_pages import WeightArena, mapped_zeros
 from chatapp.engine.models.config import ModelConfig
 from chatapp.engine.models.gguf_file import GGUFError, GGUFModelFile, GGUFTensor
+from chatapp.engine.weight_packer import PackJob
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,14 @@ def dequantize_rows(tensor: GGUFTensor, rows: np.ndarray | slice = slice(None)) 
 class GGUFWeights:
     """Named weights of one model file, each read when asked for and its file pages dropped after."""
 
-    def __init__(self, gguf: GGUFModelFile, mc: ModelConfig, arena: WeightArena | None = None) -> None:
+    def __init__(
+        self, gguf: GGUFModelFile, mc: ModelConfig, arena: WeightArena | None = None, defer_packing: bool = False
+    ) -> None:
         self.gguf, self.mc = gguf, mc
         self.arena = arena  # where packings go (huge_pages.py); None: a mapping each
+        # defer_packing: each projection's tiles are left unfilled and the job that fills them is kept here, for a
+        # WeightPacker to run after the engine is ready (weight_packer.py says why); else they are filled at once.
+        self.pack_jobs: list[PackJob] | None = [] if defer_packing else None
 
     def _zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return self.arena.zeros(shape) if self.arena is not None else mapped_zeros(shape)
@@ -223,7 +229,8 @@ class GGUFWeights:
         """Repack a projection's tensors; neighbours of one kind share one packing (one kernel call).
 
         Each tensor is written straight into its slice of the shared packing, so loading makes no
-        temporary copies (they would stay in the allocator's heap and in the peak resident set).
+        temporary copies (they would stay in the allocator's heap and in the peak resident set). With
+        deferred packing the slices are made here and filled later, in the same order (pack_jobs).
         """
         k = tensors[0].shape[-1]
         groups: list[list[int]] = []
@@ -250,21 +257,35 @@ class GGUFWeights:
             out = self._zeros((sum(tiles), k // block_inputs(kind), TILE_BYTES[kind]))
             start = 0
             for i, n_tiles in zip(group, tiles):
-                tensor, order = tensors[i], self.row_order(tensors[i], parts[i][2])
-                if order is not None:  # q/k rows come from all over the tensor: repack it whole
-                    ext.repack_gguf_array(tensor.data, tensor.type_id, k, order, out[start : start + n_tiles])
-                    self.gguf.release(tensor)
-                else:  # a few MB at a time, each chunk's file pages dropped once packed
-                    step = max(TILE, _CHUNK_BYTES // tensor.data.shape[1] // TILE * TILE)
-                    for first in range(0, tensor.shape[0], step):
-                        rows = slice(first, min(first + step, tensor.shape[0]))
-                        t0 = start + first // TILE
-                        t1 = t0 + -(-(rows.stop - first) // TILE)
-                        ext.repack_gguf_array(tensor.data[rows], tensor.type_id, k, None, out[t0:t1])
-                        self.gguf.release(tensor, rows)
+                order = self.row_order(tensors[i], parts[i][2])
+                fill = self._fill_job(ext, tensors[i], order, out[start : start + n_tiles])
+                if self.pack_jobs is None:
+                    fill()
+                else:
+                    self.pack_jobs.append(fill)
                 start += n_tiles
             packed.append((out, kind, sum(parts[i][1] for i in group)))
         return packed
+
+    def _fill_job(self, ext: ModuleType, tensor: GGUFTensor, order: np.ndarray | None, out: np.ndarray) -> PackJob:
+        """The job that packs ``tensor`` (its rows in ``order``) into ``out``, its tiles of a packing."""
+        k = tensor.shape[-1]
+
+        def fill() -> None:
+            if order is not None:  # q/k rows come from all over the tensor: repack it whole
+                ext.repack_gguf_array(tensor.data, tensor.type_id, k, order, out)
+                self.gguf.release(tensor)
+                return
+            # a few MB at a time, each chunk's file pages dropped once packed
+            step = max(TILE, _CHUNK_BYTES // tensor.data.shape[1] // TILE * TILE)
+            for first in range(0, tensor.shape[0], step):
+                rows = slice(first, min(first + step, tensor.shape[0]))
+                t0 = first // TILE
+                t1 = t0 + -(-(rows.stop - first) // TILE)
+                ext.repack_gguf_array(tensor.data[rows], tensor.type_id, k, None, out[t0:t1])
+                self.gguf.release(tensor, rows)
+
+        return fill
 
     def float_rows(self, tensor: GGUFTensor, heads: int | None) -> np.ndarray:
         """An F16/BF16 tensor's rows for the float rows kernel: the file's own (mapped, nothing copied), or
