@@ -9,6 +9,10 @@ For each server, one at a time (never two competing for the cores):
   get (llama-server keeps no cache, so each of its starts is a first start); medians are printed too;
 - the TUI: launch to its first screen, mounted and taking keys (headless, a fresh process; the
   engine loads behind it, so this is what a user waits for before typing);
+- first answer: launch to the first streamed token of a chat request sent the moment /health answered, on
+  our first starts and the baselines' starts (median): what a client that connects at once waits for. Why
+  beside the start: our engine answers /health before its weights' tiles are packed (weight_packer.py), so a
+  request that comes at once waits for the rest of the packing;
 - memory: after the start and one short chat completion, the RSS of the server's whole process
   tree (ours: `chatapp serve` and the engine process it started; the engine's RSS alone too),
   summed as the kernel reports it per process (shared pages count in each: the figure is not
@@ -62,6 +66,23 @@ def _chat(port: int) -> None:
         resp.read()
 
 
+def _first_token(port: int) -> None:
+    """Return once a streamed chat completion's first content arrives."""
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, "temperature": 0, "stream": True}
+    ).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for line in resp:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0].get("delta", {})
+            if delta.get("content"):
+                return
+
+
 def _tree_rss(proc: psutil.Process) -> tuple[int, dict[str, int]]:
     parts = {}
     for p in [proc, *proc.children(recursive=True)]:
@@ -73,8 +94,11 @@ def _tree_rss(proc: psutil.Process) -> tuple[int, dict[str, int]]:
     return sum(parts.values()), parts
 
 
-def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool, cwd: str | None = None) -> dict:
-    """Start, wait for /health, optionally chat once and read the tree's RSS, then stop."""
+def run_server(
+    cmd: list[str], port: int, env: dict[str, str], measure: bool, cwd: str | None = None, first_answer: bool = False
+) -> dict:
+    """Start, wait for /health, optionally time a first answer (first_answer_s, from launch), chat once and read
+    the tree's RSS, then stop."""
     start = time.perf_counter()
     popen = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out: dict = {}
@@ -89,6 +113,13 @@ def run_server(cmd: list[str], port: int, env: dict[str, str], measure: bool, cw
                 pass
             time.sleep(0.02)
         out["start_s"] = time.perf_counter() - start
+        if first_answer:
+            try:
+                _first_token(port)
+                out["first_answer_s"] = time.perf_counter() - start
+            except (OSError, ValueError, KeyError) as exc:  # see the chat below
+                out["first_answer_s"] = float("nan")
+                print(f"  (the first answer failed: {exc})", flush=True)
         if measure:
             loaded = _tree_rss(psutil.Process(popen.pid))  # kept in case the chat ends the server
             try:
@@ -159,13 +190,19 @@ def tui_first_screen(env: dict[str, str]) -> float:
     return seconds
 
 
-def measure(name: str, make_cmd, env: dict[str, str], repeat: int, cwd: str | None = None) -> dict:
-    runs = [run_server(make_cmd(port := free_port()), port, env, measure=(i == 0), cwd=cwd) for i in range(repeat)]
+def measure(
+    name: str, make_cmd, env: dict[str, str], repeat: int, cwd: str | None = None, first_answer: bool = False
+) -> dict:
+    runs = [
+        run_server(make_cmd(port := free_port()), port, env, measure=(i == 0), cwd=cwd, first_answer=first_answer)
+        for i in range(repeat)
+    ]
     starts = [r["start_s"] for r in runs]
     best = min(starts)
     row = {
         "warm_start_s": best,
         "warm_start_median_s": statistics.median(starts),
+        "first_answer_median_s": statistics.median(r.get("first_answer_s", float("nan")) for r in runs),
         "rss_bytes": runs[0].get("rss_bytes"),
         "rss_parts": runs[0].get("rss_parts"),
     }
@@ -215,10 +252,12 @@ def main() -> None:
     firsts = []
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as cache:
-            firsts.append(run_server(ours(port := free_port()), port, {**env, "CHATAPP_CACHE_DIR": cache}, False))
+            cache_env = {**env, "CHATAPP_CACHE_DIR": cache}
+            firsts.append(run_server(ours(port := free_port()), port, cache_env, False, first_answer=True))
     first_starts = [r["start_s"] for r in firsts]
     rows["ours"]["first_start_s"] = min(first_starts)
     rows["ours"]["first_start_median_s"] = statistics.median(first_starts)
+    rows["ours"]["first_answer_median_s"] = statistics.median(r["first_answer_s"] for r in firsts)
     rows["ours"]["tui_first_screen_s"] = min(tui_first_screen(env) for _ in range(args.repeat))
     rows["ours"]["tui_rss_bytes"] = min(TUI_RSS) if TUI_RSS else None
     print(
@@ -253,6 +292,7 @@ def main() -> None:
                 dict(os.environ),
                 args.repeat,
                 cwd=tempfile.gettempdir(),  # ik_llama.cpp's server writes llama.log where it runs
+                first_answer=True,
             )
     # The fastest start among every baseline that started; the leanest among those whose RSS was read (a
     # server whose chat aborted, as ik_llama.cpp's on random weights, has a start but no RSS).
@@ -274,6 +314,14 @@ def main() -> None:
             f"{mine['first_start_median_s'] / fast['warm_start_median_s']:.2f}x median "
             f"({mine['first_start_median_s']:.2f} s vs {fast['warm_start_median_s']:.2f} s)"
         )
+        answered = [r for r in started if not math.isnan(r["first_answer_median_s"])]
+        if answered:
+            quick = min(answered, key=lambda r: r["first_answer_median_s"])
+            print(
+                f"first answer (launch to the first token of a request sent at /health), ours on a first start / "
+                f"fastest baseline: {mine['first_answer_median_s'] / quick['first_answer_median_s']:.2f}x median "
+                f"({mine['first_answer_median_s']:.2f} s vs {quick['first_answer_median_s']:.2f} s)"
+            )
 
 
 if __name__ == "__main__":
