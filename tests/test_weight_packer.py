@@ -5,6 +5,8 @@ a failed packing fails every step with the file named, and an unloaded model's p
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -167,3 +169,26 @@ def test_huge_pages_wait_for_the_packing_and_never_follow_a_failed_one(monkeypat
         assert not collapser.is_alive()
         assert collapsed == ([] if fails else [HUGE_PAGE])
         collapsed.clear()
+
+
+_EXIT_WHILE_PACKING = """
+import numpy as np
+from chatapp.engine import cpu_kernels
+from chatapp.engine.weight_packer import WeightPacker
+ext = cpu_kernels.load()
+raw = np.zeros((4096, 4096 // 32 * 34), dtype=np.uint8)  # Q8_0 rows, packed without the GIL
+out = np.zeros((256, 128, 544), dtype=np.uint8)
+def job():
+    for _ in range(50):
+        ext.repack_gguf_array(raw, 8, 4096, None, out)
+WeightPacker([job, job], "model.gguf").start()
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_that_exits_while_a_model_packs_exits_cleanly() -> None:
+    """Without the exit hook the packing thread came back from C++ into a finalized interpreter: the process
+    aborted ("terminate called without an active exception")."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_PACKING], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "exiting"), done.stderr[-2000:]
+    assert "terminate" not in done.stderr

@@ -7,10 +7,14 @@ first question or an editor connects. A forward that comes before they are done 
 reads a tile that is not filled, so no answer changes.
 
 The thread holds the packer only weakly between jobs: a model unloaded while it packs stops it at the next.
+A process that exits while a model packs stops the packing at its next job and waits for the job under way
+(atexit): a thread still in a job at exit would come back from C++ (which packs without the GIL) into an
+interpreter that is gone, and the process would abort.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -18,6 +22,10 @@ import weakref
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+
+# How long a process's exit waits for the job under way on each packing thread (a job packs one tensor: a few ms to
+# ~0.1 s).
+EXIT_WAIT_S = 10.0
 
 PackJob = Callable[[], None]
 """Fills one projection's tiles (or a part of them) from the file."""
@@ -40,6 +48,7 @@ class WeightPacker:
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=_run, args=(weakref.ref(self),), name="chatapp-weight-packer", daemon=True)
+        _threads.add(thread)
         thread.start()
         return thread
 
@@ -75,8 +84,23 @@ class WeightPacker:
         self._done.set()
 
 
+_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_exiting = threading.Event()
+
+
+@atexit.register
+def _stop_packing() -> None:
+    """At exit: no packing thread starts another job, and each finishes the one under way."""
+    _exiting.set()
+    for thread in list(_threads):
+        thread.join(EXIT_WAIT_S)
+
+
 def _run(ref: weakref.ref[WeightPacker]) -> None:
     while (packer := ref()) is not None:
+        if _exiting.is_set():
+            packer._finish(RuntimeError("the process is exiting"))
+            return
         job = packer._next()
         if job is None:
             packer._finish(None)
