@@ -192,3 +192,42 @@ def test_a_process_that_exits_while_a_model_packs_exits_cleanly() -> None:
     done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_PACKING], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout.strip()) == (0, "exiting"), done.stderr[-2000:]
     assert "terminate" not in done.stderr
+
+
+class _PackingRunner:
+    """A loaded model's runner whose weights are packed once ``packed`` is set."""
+
+    def __init__(self) -> None:
+        self.packed = threading.Event()
+
+    def weights_ready(self, timeout_s: float) -> bool:
+        return self.packed.wait(timeout_s)
+
+
+def test_the_next_model_loads_only_once_the_last_ones_weights_are_packed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory a packing model will commit is not yet in use: a plan for the next model made meanwhile would
+    count it as free. So the engine starts no load while a model packs."""
+    from types import SimpleNamespace
+
+    from chatapp.engine.config import EngineConfig
+    from chatapp.engine.process import EngineServer
+
+    server = EngineServer(EngineConfig(model="default"), tmp_path)
+    try:
+        runner = _PackingRunner()
+        server.default.core = SimpleNamespace(runner=runner)  # type: ignore[assignment]
+        server.default.state = "ready"
+        queued = server._new_slot("other.gguf", pinned=False)
+        queued.state = "queued"
+        started: list[str] = []
+        monkeypatch.setattr(server, "_try_start", lambda slot: started.append(slot.spec))
+        server._manage_models()
+        assert started == []
+        runner.packed.set()
+        server._manage_models()
+        assert started == ["other.gguf"]
+    finally:
+        server.sock.close(0)
+        server.ctx.term()

@@ -560,12 +560,17 @@ class EngineServer:
                     and now - slot.last_used > keep_alive
                 ):
                     self._unload(slot, f"idle for {keep_alive:g} s")
-        if self.loader is not None or self.default.state != "ready":
-            return  # one load at a time; the default model first
+        if self.loader is not None or self.default.state != "ready" or self._packing_weights():
+            return  # one load at a time, its weights' packing included; the default model first
         for slot in list(self.slots.values()):
             if slot.state == "queued":
                 self._try_start(slot)
                 return
+
+    def _packing_weights(self) -> bool:
+        """Whether a loaded model still packs its weights (weight_packer.py). Its tiles' memory is not all
+        committed yet, so the free memory a plan for the next model reads would count it as room."""
+        return any(s.core is not None and not s.core.runner.weights_ready(0) for s in self.slots.values())
 
     def _try_start(self, slot: ModelSlot) -> None:
         """Plan room for a queued model; load it, wait for room, or fail it with the figures."""
