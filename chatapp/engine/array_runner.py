@@ -155,6 +155,7 @@ class ArrayRunner:
         return [by_request[r.request_id] for r in batch.requests]
 
     def _forward(self, flat: FlatBatch) -> np.ndarray:
+        self.model.wait_for_weights()  # first: the packing's threads must not see the thread count change
         threads = cpu_threads_for(flat, self.cpu_load, self.config.num_threads)
         if self._ext.get_num_threads() != threads:
             self._ext.set_num_threads(threads)
