@@ -181,17 +181,20 @@ out = np.zeros((256, 128, 544), dtype=np.uint8)
 def job():
     for _ in range(50):
         ext.repack_gguf_array(raw, 8, 4096, None, out)
-WeightPacker([job, job], "model.gguf").start()
+packer = WeightPacker([job, job], "model.gguf")  # held, as a loaded model holds its packer
+packer.start()
 print("exiting", flush=True)
 """
 
 
 def test_a_process_that_exits_while_a_model_packs_exits_cleanly() -> None:
     """Without the exit hook the packing thread came back from C++ into a finalized interpreter: the process
-    aborted ("terminate called without an active exception")."""
+    aborted ("terminate called without an active exception"). Stopping at exit is no failure: nothing is
+    logged as one (Python's last-resort handler prints warnings and errors to stderr here)."""
     done = subprocess.run([sys.executable, "-c", _EXIT_WHILE_PACKING], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout.strip()) == (0, "exiting"), done.stderr[-2000:]
     assert "terminate" not in done.stderr
+    assert "failed" not in done.stderr, done.stderr[-2000:]
 
 
 class _PackingRunner:

@@ -73,11 +73,15 @@ class WeightPacker:
     def _next(self) -> PackJob | None:
         return self._jobs.pop() if self._jobs else None
 
-    def _finish(self, error: BaseException | None) -> None:
+    def _finish(self, error: BaseException | None, at_exit: bool = False) -> None:
+        """at_exit: stopped because the process is ending, which is no failure to report (a user who quits
+        in the first second of a start saw "packing ... failed" in the engine's log)."""
         self._error = error
         self._jobs.clear()
         if error is None:
             log.info("packed %s's weights into tiles in %.2f s", self.name, time.perf_counter() - self._started)
+        elif at_exit:
+            log.debug("stopped packing %s's weights: the process is exiting", self.name)
         else:
             log.error("packing %s's weights failed: %s", self.name, error)
         self._done.set()
@@ -98,7 +102,7 @@ def _stop_packing() -> None:
 def _run(ref: weakref.ref[WeightPacker]) -> None:
     while (packer := ref()) is not None:
         if _exiting.is_set():
-            packer._finish(RuntimeError("the process is exiting"))
+            packer._finish(RuntimeError("the process is exiting"), at_exit=True)
             return
         job = packer._next()
         if job is None:
