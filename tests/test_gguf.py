@@ -146,11 +146,35 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
             assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias, path=path)[0], y[i])
         # an odd number of rows in the last pass (the batched loops take rows 8 at a time, then 4, 2 and 1)
         assert torch.equal(ext.block_linear(x[:69], packed, kind, n, bias, path=path), y[:69]), path
-        for rows in range(2, 14):  # decode batches: 2-8 rows keep their sums in registers (block_quant.cpp)
-            assert torch.equal(ext.block_linear(x[:rows], packed, kind, n, bias, path=path), y[:rows]), (path, rows)
+        # decode batches: 2-8 rows run either the rows loops (sums in registers) or the pair loops (tile_walk.h)
+        for loop in ("rows", "pairs"):
+            ext.set_decode_batch_loop(loop)
+            try:
+                for rows in range(2, 14):
+                    got = ext.block_linear(x[:rows], packed, kind, n, bias, path=path)
+                    assert torch.equal(got, y[:rows]), (path, loop, rows)
+            finally:
+                ext.set_decode_batch_loop("auto")
     strided = torch.zeros(70, k + 64)[:, :k]
     strided.copy_(x)
     assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)
+
+
+def test_decode_batches_take_the_pair_loops_on_intel_and_the_rows_loops_elsewhere(ext) -> None:
+    """auto: the loop measured faster on each CPU family so far (tile_walk.h); an override holds until reset."""
+    vendor = next(
+        (line.split(":")[1].strip() for line in Path("/proc/cpuinfo").open() if line.startswith("vendor_id")), ""
+    )
+    assert ext.decode_batch_loop() == ("pairs" if vendor == "GenuineIntel" else "rows")
+    try:
+        for loop in ("rows", "pairs"):
+            ext.set_decode_batch_loop(loop)
+            assert ext.decode_batch_loop() == loop
+        with pytest.raises(RuntimeError, match="unknown decode batch loop 'tiles'"):
+            ext.set_decode_batch_loop("tiles")
+    finally:
+        ext.set_decode_batch_loop("auto")
+    assert ext.decode_batch_loop() == ("pairs" if vendor == "GenuineIntel" else "rows")
 
 
 # K-quant blocks with every code and scale at its largest: (block bytes, where d sits, the bytes of codes and

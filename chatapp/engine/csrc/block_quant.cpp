@@ -434,7 +434,8 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
   constexpr BlockLayout L = block_layout(kKind);
   constexpr int64_t kRows = QuantizedActivations::kChunkRows;  // rows per pass: a chunk of by_block
   constexpr int64_t kAhead = 24;  // blocks of 32 inputs prefetched ahead into L2 (~8-14 KB; kquant.cpp says why)
-  switch (rows) {
+  // A decode batch runs the rows loop unless this CPU streams faster through the pair loop (tile_walk.h).
+  switch (rows > 1 && rows <= 8 && decode_batches_in_pairs() ? int64_t{0} : rows) {
     case 1: return tile_loop_one_row<kKind>(a, k, packed, t0, t1, y, n_out, bias);
     case 2: return tile_loop_rows<kKind, 2>(a, k, packed, t0, t1, y, n_out, bias);
     case 3: return tile_loop_rows<kKind, 3>(a, k, packed, t0, t1, y, n_out, bias);
@@ -604,6 +605,17 @@ std::vector<std::string> block_quant_paths() {
   paths.push_back("portable");
   return paths;
 }
+
+void set_decode_batch_loop(const std::string& name) {
+  TORCH_CHECK(name == "auto" || name == "rows" || name == "pairs", "unknown decode batch loop '", name,
+              "' (auto, rows or pairs)");
+  const DecodeBatchLoop loop = name == "rows"    ? DecodeBatchLoop::kRows
+                               : name == "pairs" ? DecodeBatchLoop::kPairs
+                                                 : DecodeBatchLoop::kAuto;
+  decode_batch_loop_setting().store(static_cast<int>(loop), std::memory_order_relaxed);
+}
+
+std::string decode_batch_loop() { return decode_batches_in_pairs() ? "pairs" : "rows"; }
 
 KernelPath kernel_path(const std::string& name) {
   if (name == "best") return kHasVnni ? kPathVnni : kHasAvx2 ? kPathAvx2 : kPathPortable;

@@ -49,6 +49,10 @@ enum KernelPath : int64_t { kPathVnni = 0, kPathAvx2 = 1, kPathPortable = 2 };
 KernelPath kernel_path(const std::string& name);
 // The loops compiled in, fastest first: "vnni" (AVX-512 VNNI), "avx2", "portable" (a plain loop, always).
 std::vector<std::string> block_quant_paths();
+// Which VNNI loop decode batches of 2-8 rows run (same bits either way; tile_walk.h says why there are two):
+// "auto" (chosen by CPU), "rows" or "pairs". decode_batch_loop() says which runs now: "rows" or "pairs".
+void set_decode_batch_loop(const std::string& name);
+std::string decode_batch_loop();
 
 // y [M, out_features] = x [M, K] @ W^T (+ bias); packed: uint8 [tiles, K / block, tile bytes] (the float rows
 // kinds: uint8 [N, 2 K]). Every row is

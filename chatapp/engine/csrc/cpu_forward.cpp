@@ -463,6 +463,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ggml_type"), py::arg("k"), py::arg("row_order") = py::none(), py::arg("out") = py::none());
   m.def("block_quant_fast", &block_quant_fast, "whether a vector block kernel (AVX-512 VNNI or AVX2) was compiled in");
   m.def("block_quant_paths", &block_quant_paths, "the block kernels' loops compiled in, fastest first");
+  m.def("set_decode_batch_loop", &set_decode_batch_loop,
+        "the VNNI loop decode batches of 2-8 rows run: auto (by CPU), rows or pairs (the same bits)", py::arg("name"));
+  m.def("decode_batch_loop", &decode_batch_loop, "the VNNI loop decode batches of 2-8 rows run now: rows or pairs");
   m.def("repack_gguf_array", &repack_gguf_array, "repack_gguf into a numpy array (no torch needed)", py::arg("raw"),
         py::arg("ggml_type"), py::arg("k"), py::arg("row_order"), py::arg("out"));
   m.def(

@@ -557,7 +557,8 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
   alignas(64) float acc[kRows * kQuantTile];
   alignas(64) float fsum[kRows * kQuantTile];
   if (rows == 1) return tiles_one_row_vnni<kKind>(a, 0, k, packed, t0, t1, y, n_out, bias);
-  switch (rows) {
+  // A decode batch runs the rows loop unless this CPU streams faster through the pair loop (tile_walk.h).
+  switch (rows <= 8 && decode_batches_in_pairs() ? int64_t{0} : rows) {
     case 2: return tiles_rows_vnni<kKind, 2>(a, k, packed, t0, t1, y, n_out, bias);
     case 3: return tiles_rows_vnni<kKind, 3>(a, k, packed, t0, t1, y, n_out, bias);
     case 4: return tiles_rows_vnni<kKind, 4>(a, k, packed, t0, t1, y, n_out, bias);

@@ -47,6 +47,35 @@ inline void on_path(KernelPath path, Run&& run) {
   run(PortableLoop{});
 }
 
+// Which VNNI loop a decode batch (2-8 rows) runs: the rows loops (block_quant.cpp tile_loop_rows, kquant.cpp
+// tiles_rows_vnni: one tile at a time, the rows' sums in registers, each dot reading its activations straight
+// from memory) or the pair loops (tile_pair_loop: two tiles at a time, the sums in L1, each activation word
+// broadcast once for both tiles' dots). Both make the same integer sums and float steps in the same order:
+// same bits, so the choice is speed alone, and the faster differs by CPU:
+// - the rows loops were written for, and measured faster than the pair loops of the time on, the AMD EPYC
+//   (Zen 5) most earlier sessions ran on: K-quant 8-way decode of 1B files +22% (Q4_0, its Q6_K head) and
+//   2.1x (Q4_K_M); blocks of 32 at 3-4 rows +9-17%;
+// - on an Intel Xeon (family 6 model 167, 2 cores) the pair loops stream the weights faster at every batch of
+//   2-8 rows (Q4_0, 8 rows: 18.6 -> 21.2 GB/s; Q4_K and Q6_K +7%), and 8-way decode gained in every alternated
+//   pair but one: 1B Q4_0 +5-13%, Q4_K_M -1 to +8%, Q6_K +5-7%, Q8_0 +1-3% (the 135M model, whose weights
+//   stay in cache, -8% to +4%).
+// kAuto takes the pair loops on Intel CPUs and the rows loops elsewhere; set_decode_batch_loop() overrides it
+// (tests run both; benchmarks compare them on a new CPU).
+enum class DecodeBatchLoop : int { kAuto = 0, kRows = 1, kPairs = 2 };
+
+inline std::atomic<int>& decode_batch_loop_setting() {
+  static std::atomic<int> setting{static_cast<int>(DecodeBatchLoop::kAuto)};
+  return setting;
+}
+
+// Whether decode batches of 2-8 rows run the pair loops (the setting, kAuto resolved for this CPU).
+inline bool decode_batches_in_pairs() {
+  const auto setting = static_cast<DecodeBatchLoop>(decode_batch_loop_setting().load(std::memory_order_relaxed));
+  if (setting != DecodeBatchLoop::kAuto) return setting == DecodeBatchLoop::kPairs;
+  static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
+  return intel;
+}
+
 // fn(blk, b) for blocks [0, blocks) of one tile, kBlockBytes each. Where fetch holds (and ahead > 0: 0 leaves
 // fetching to fn), each block first prefetches the one `ahead` blocks on into L2: tiles follow one another
 // in memory, so DRAM latency hides behind the dots (a tile's last blocks fetch the next tile's first ones).
