@@ -10,7 +10,7 @@ C++ loop.
     python benchmarks/step_breakdown.py FILE.gguf [--batch 8] [--tokens 128]
 
 The projections alone: each layer's weight tensors as the file stores them, packed by the extension's own
-repack into one mapping in 2 MB pages (as a running engine holds them), each run on random rows in the
+repack, each into a mapping of its own in 2 MB pages (as a running engine holds them), each run on random rows in the
 file's layer order, the best of five passes. Their streaming rate (packed bytes / time) is printed too.
 """
 
@@ -21,8 +21,10 @@ import mmap
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -66,10 +68,21 @@ def engine_step(path: Path, batch: int, tokens: int) -> dict[str, float]:
     return ms
 
 
-def packed_projections(path: Path, ext: object) -> tuple[list[list[tuple[object, int, int, int]]], int]:
-    """Each layer's projections packed from the file's own blocks into one mapping in 2 MB pages:
+def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a uint8 tensor in a mapping of its own, 2 MB aligned and asking for 2 MB pages."""
+    nbytes = tensor.numel()
+    mapping = mmap.mmap(-1, nbytes + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    flat = np.frombuffer(mapping, dtype=np.uint8)
+    start = (-flat.ctypes.data) % (2 << 20)
+    view = flat[start : start + nbytes]
+    view[:] = tensor.numpy().reshape(-1)
+    return torch.from_numpy(view).view(tensor.shape)  # the array keeps the mapping alive
+
+
+def packed_projections(path: Path, ext: Any) -> tuple[list[list[tuple[torch.Tensor, int, int, int]]], int]:
+    """Each layer's projections packed from the file's own blocks, each moved into 2 MB pages as it is packed:
     per layer [(packed, kind, out_features, in_features)], and the packed bytes in all."""
-    import torch
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -82,30 +95,14 @@ def packed_projections(path: Path, ext: object) -> tuple[list[list[tuple[object,
             t = tensors[f"blk.{i}.{role}.weight"]
             k, n = (int(v) for v in t.shape[:2])
             raw = torch.from_numpy(np.array(t.data).view(np.uint8).reshape(n, -1))  # a writable copy
-            w, kind = ext.repack_gguf(raw, int(t.tensor_type), k)  # type: ignore[attr-defined]
-            parts.append((w, kind, n, k))
+            w, kind = ext.repack_gguf(raw, int(t.tensor_type), k)
+            parts.append((in_huge_pages(w), kind, n, k))
         packed.append(parts)
-    total = sum(w.numel() for layer in packed for w, *_ in layer)
-    arena = mmap.mmap(-1, total + (4 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena.madvise(mmap.MADV_HUGEPAGE)
-    flat = np.frombuffer(arena, dtype=np.uint8)
-    offset = (-flat.ctypes.data) % (2 << 20)
-    moved = []
-    for layer in packed:
-        parts = []
-        for w, kind, n, k in layer:
-            view = flat[offset : offset + w.numel()]
-            view[:] = w.numpy().reshape(-1)
-            parts.append((torch.from_numpy(view).view(w.shape), kind, n, k))
-            offset += w.numel()
-        moved.append(parts)
-    return moved, total
+    return packed, sum(w.numel() for layer in packed for w, *_ in layer)
 
 
 def projections_alone(path: Path, batch: int) -> tuple[float, float]:
     """ms for one pass over every layer's projections on `batch` random rows (best of five), and GB/s."""
-    import torch
-
     from chatapp.engine import cpu_kernels
 
     ext = cpu_kernels.load()
