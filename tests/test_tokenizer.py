@@ -160,7 +160,8 @@ def test_the_engine_launch_builds_a_gguf_tokenizer_in_a_process_of_its_own(tmp_p
 def test_a_byte_level_gguf_tokenizer_gets_no_build_process(tmp_path: Path, monkeypatch) -> None:
     """Ours builds it in ~0.2 s where a client first asks: a process of its own would only add a Python start
     beside the weights' load. The first Tokenizer builds it once, in memory, and writes the files from that
-    build; they read back as the same tokenizer."""
+    build only when asked (save_files: clients ask as they close, off their start's path); they read back as
+    the same tokenizer."""
     monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
     gguf = bundled_gguf_path()
     cache = gguf_tokenizer_cache(gguf)
@@ -177,7 +178,11 @@ def test_a_byte_level_gguf_tokenizer_gets_no_build_process(tmp_path: Path, monke
     monkeypatch.setattr(TextTokenizer, "__init__", no_reading_back)
     fresh = Tokenizer(gguf)
     monkeypatch.setattr(TextTokenizer, "__init__", read_back)
+    assert not cache.exists(), "the build wrote its files on the start's path"
+    fresh.save_files()
     assert (cache / "tokenizer.json").exists()
+    monkeypatch.setattr(tokenizer_module, "save_built_tokenizer", lambda *_: pytest.fail("saved twice"))
+    fresh.save_files()  # once done, a no-op
     files = TextTokenizer(cache)
     assert fresh.hf.backend.to_str() == files.backend.to_str()
     assert (fresh.hf.chat_template, fresh.hf.special_tokens) == (files.chat_template, files.special_tokens)
@@ -533,3 +538,34 @@ async def test_a_client_starts_its_tokenizer_before_it_looks_for_an_engine(monke
     _path, task = client._tokenizer_preload
     assert isinstance(await task, Tokenizer)  # the preload is a whole tokenizer, for the model asked for
     await client.close()
+
+
+async def test_a_client_keeps_the_tokenizer_it_built_as_it_closes(tmp_path: Path, monkeypatch) -> None:
+    """A client's tokenizer is built in memory as its start begins; its files reach the cache as it closes, so
+    a later start reads them instead of building again."""
+    from chatapp.engine.client import AsyncEngineClient
+    from chatapp.engine.config import EngineConfig
+
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = bundled_gguf_path()
+    client = AsyncEngineClient(EngineConfig(model=str(gguf)))
+    client._tokenizer = Tokenizer(gguf)  # as its start leaves it (no engine in this test)
+    cache = gguf_tokenizer_cache(gguf)
+    assert not cache.exists()
+    await client.close()
+    assert (cache / "tokenizer.json").exists() and (cache / "tokenizer_config.json").exists()
+    assert TextTokenizer(cache).encode(TEXTS[0]) == client._tokenizer.encode(TEXTS[0])
+
+
+def test_a_tokenizer_that_cannot_be_saved_is_logged_not_raised(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The files only spare a later start the build: a full disk or a removed cache must not fail a close."""
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = Tokenizer(bundled_gguf_path())
+
+    def full_disk(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tokenizer_module, "save_built_tokenizer", full_disk)
+    with caplog.at_level("WARNING"):
+        tokenizer.save_files()
+    assert "could not save the tokenizer files" in caplog.text

@@ -269,7 +269,15 @@ class AsyncEngineClient:
             self._starting.cancel()  # a start under way detaches what it had built when cancelled
             await asyncio.wait({self._starting})
         await self._detach()
+        await asyncio.to_thread(self._save_tokenizer_files)
         self._set_state(EngineState.CLOSED, "")
+
+    def _save_tokenizer_files(self) -> None:
+        """The tokenizers this client built in memory, written to the cache for the next start: as it closes,
+        not as it starts (Tokenizer.save_files says why)."""
+        held = [self._tokenizer, *(handle.tokenizer for handle in self._handles.values())]
+        for tokenizer in {id(t): t for t in held if t is not None}.values():
+            tokenizer.save_files()
 
     async def __aenter__(self) -> AsyncEngineClient:
         await self.start()

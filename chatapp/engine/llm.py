@@ -28,6 +28,7 @@ class LLM:
         self.core = EngineCore(config)
         self.config = self.core.config
         self.tokenizer = Tokenizer(self.core.model.path)
+        self.tokenizer.save_files()  # no start to hurry here: the files are kept at once, as they always were
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
