@@ -569,3 +569,25 @@ def test_a_tokenizer_that_cannot_be_saved_is_logged_not_raised(tmp_path: Path, m
     with caplog.at_level("WARNING"):
         tokenizer.save_files()
     assert "could not save the tokenizer files" in caplog.text
+
+
+def test_no_tokenizer_files_are_saved_for_a_model_removed_meanwhile(tmp_path: Path, monkeypatch) -> None:
+    """A TUI that closes after `chatapp models rm` (which clears the model's tokenizer cache) must not write the
+    files back for a file that is gone, or for one replaced by another under the same name."""
+    monkeypatch.setenv("CHATAPP_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = _tokenizer_only_gguf(tmp_path / "model.gguf")
+    cache = gguf_tokenizer_cache(gguf)
+    removed = Tokenizer(gguf)
+    gguf.unlink()
+    removed.save_files()
+    assert not cache.exists()
+
+    _tokenizer_only_gguf(gguf)
+    replaced = Tokenizer(gguf)
+    _tokenizer_only_gguf(gguf, add_bos=True)  # another file under the same name (a new mtime, and size)
+    os.utime(gguf, ns=(1, 1))
+    replaced.save_files()
+    assert not list((tmp_path / "cache").glob("tokenizers/*/tokenizer.json"))
+    kept = Tokenizer(gguf)
+    kept.save_files()
+    assert (gguf_tokenizer_cache(gguf) / "tokenizer.json").exists()

@@ -408,7 +408,7 @@ class Tokenizer:
         directory, built = _prepare_tokenizer(Path(model_path), write=False)
         self.hf = TextTokenizer.from_build(built) if built is not None else TextTokenizer(directory)
         self._generated: OrderedDict[str, list[int]] = OrderedDict()
-        self._unsaved = (directory, built) if built is not None else None
+        self._unsaved = (Path(model_path), directory, built) if built is not None else None
 
     def save_files(self) -> None:
         """Write the files of a tokenizer built here in memory (a byte-level BPE GGUF file's) into the cache,
@@ -417,10 +417,16 @@ class Tokenizer:
         Why not as it is built: writing them holds this process's interpreter ~45 ms, and a client builds its
         tokenizer beside its own imports, on a first start's way to being ready (a 1B Q4_K_M file's first
         start to /health: median 0.72 -> 0.62 s, 8 alternated rounds on a slow hour). Clients call this as
-        they close. A failure is logged, not raised: the files only spare a later start the build."""
+        they close. A failure is logged, not raised: the files only spare a later start the build. Nothing is
+        written for a model file removed or replaced since (`chatapp models rm` has cleared its cache)."""
         if self._unsaved is None:
             return
-        (cache, built), self._unsaved = self._unsaved, None
+        (model_path, cache, built), self._unsaved = self._unsaved, None
+        try:
+            if gguf_tokenizer_cache(metadata_part(model_path)) != cache:  # the file changed: another key now
+                return
+        except OSError:  # the file is gone
+            return
         try:
             save_built_tokenizer(cache, built)
         except Exception as exc:  # noqa: BLE001  (a full disk; the model file or the cache removed meanwhile)
