@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -178,15 +178,8 @@ def _prepare_tokenizer(path: Path, write: bool = True) -> tuple[Path, ByteLevelT
 def save_built_tokenizer(cache: Path, built: ByteLevelTokenizer) -> None:
     """Write the files of a tokenizer built in memory into its cache directory, unless another process has."""
     with _build_lock(cache):
-        if (cache / "tokenizer.json").exists():
-            return
-        tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
-        try:
-            built.write(tmp)
-            shutil.rmtree(cache, ignore_errors=True)  # an earlier version's partial files
-            os.replace(tmp, cache)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not (cache / "tokenizer.json").exists():
+            _write_into(cache, built.write, cache)
 
 
 def clients_build_tokenizer(path: Path) -> bool:
@@ -258,22 +251,32 @@ def _build_tokenizer_files(path: Path, cache: Path) -> ByteLevelTokenizer | None
     transformers."""
     from chatapp.engine.gguf_tokenizer import build_byte_level_tokenizer
 
+    built = build_byte_level_tokenizer(path) if is_gguf_path(path) else None
+    if built is not None:
+        _write_into(cache, built.write, path)
+        return built
+
+    def save_through_transformers(tmp: Path) -> None:
+        tokenizer: PreTrainedTokenizerBase | None = _gguf_tokenizer_quickly(path) if is_gguf_path(path) else None
+        if tokenizer is None:
+            tokenizer = load_hf_tokenizer(path)
+        tokenizer.save_pretrained(str(tmp))
+
+    _write_into(cache, save_through_transformers, path)
+    return None
+
+
+def _write_into(cache: Path, write: Callable[[Path], None], source: Path) -> None:
+    """The files ``write`` makes in a directory beside ``cache``, moved into its place whole: no reader ever
+    finds a cache half written."""
     tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        built = build_byte_level_tokenizer(path) if is_gguf_path(path) else None
-        if built is not None:
-            built.write(tmp)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tokenizer: PreTrainedTokenizerBase | None = _gguf_tokenizer_quickly(path) if is_gguf_path(path) else None
-            if tokenizer is None:
-                tokenizer = load_hf_tokenizer(path)
-            tokenizer.save_pretrained(str(tmp))
+        write(tmp)
         if not (tmp / "tokenizer.json").exists():
-            raise ChatFormatError(f"the tokenizer of {path} has no fast (tokenizer.json) form")
+            raise ChatFormatError(f"the tokenizer of {source} has no fast (tokenizer.json) form")
         shutil.rmtree(cache, ignore_errors=True)  # an earlier version's partial files
         os.replace(tmp, cache)
-        return built
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -416,7 +419,7 @@ class Tokenizer:
 
         Why not as it is built: writing them holds this process's interpreter ~45 ms, and a client builds its
         tokenizer beside its own imports, on a first start's way to being ready (a 1B Q4_K_M file's first
-        start to /health: median 0.72 -> 0.62 s, 8 alternated rounds on a slow hour). Clients call this as
+        start to /health: median 0.68 -> 0.63 s, 8 alternated rounds on a noisy hour). Clients call this as
         they close. A failure is logged, not raised: the files only spare a later start the build. Nothing is
         written for a model file removed or replaced since (`chatapp models rm` has cleared its cache)."""
         if self._unsaved is None:
