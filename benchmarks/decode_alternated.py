@@ -28,6 +28,10 @@ batched8 (8-way decode). Ours: 8 requests of 64 new prompt tokens and 128 new to
 tok/s generated after the last first token, the better of two. Theirs: `llama-batched-bench -npp 64
 -ntg 128 -npl 8`'s S_TG (llama.cpp `-fa on`, ik_llama.cpp `-fa on -rtr`), from `LLAMA_BATCHED_BENCH` and
 `IK_LLAMA_BATCHED_BENCH`.
+
+`--all-flags` runs each baseline at every flag set TESTS lists for the test (one engine per set, alternated with
+the rest), and the ratio is taken against the fastest of them: the flags above were the best on the machines
+measured first, and on another CPU another set can win (ik_llama.cpp's Q8_0 decode on a Zen 4 without `-rtr`).
 """
 
 from __future__ import annotations
@@ -96,17 +100,30 @@ print(json.dumps({"tps": best}))
 """
 
 # Per test: our script, the baselines' tool (llama-bench or llama-batched-bench) and its arguments, and each
-# baseline's own flags.
+# baseline's flag sets: the first is the one found best on the machines measured so far; `--all-flags` runs every
+# one and compares against the fastest (which set wins moves with the CPU and the file).
 TESTS = {
-    "tg128": (_OURS, "bench", ["-p", "0", "-n", "128", "-r", "1"], ["-fa", "1"], ["-fa", "0", "-rtr", "1"]),
-    "pp512": (_OURS_PROMPT, "bench", ["-p", "512", "-n", "0", "-r", "2"], ["-fa", "1"], ["-fa", "1", "-rtr", "1"]),
+    "tg128": (
+        _OURS,
+        "bench",
+        ["-p", "0", "-n", "128", "-r", "1"],
+        [["-fa", "1"], ["-fa", "0"]],
+        [["-fa", "0", "-rtr", "1"], ["-fa", "1", "-rtr", "0"], ["-fa", "0", "-rtr", "0"], ["-fa", "1", "-rtr", "1"]],
+    ),
+    "pp512": (
+        _OURS_PROMPT,
+        "bench",
+        ["-p", "512", "-n", "0", "-r", "2"],
+        [["-fa", "1"], ["-fa", "0"]],
+        [["-fa", "1", "-rtr", "1"], ["-fa", "1", "-rtr", "0"], ["-fa", "0", "-rtr", "1"]],
+    ),
     # 8 sequences of 64 prompt tokens, 128 new tokens each: generation tok/s (S_TG)
     "batched8": (
         _OURS_EIGHT,
         "batched",
         ["-c", "2048", "-b", "512", "-npp", "64", "-ntg", "128", "-npl", "8"],
-        ["-fa", "on"],
-        ["-fa", "on", "-rtr"],
+        [["-fa", "on"], ["-fa", "off"]],
+        [["-fa", "on", "-rtr"], ["-fa", "on"], ["-fa", "off", "-rtr"]],
     ),
 }
 
@@ -160,16 +177,22 @@ def main() -> None:
     parser.add_argument(
         "--small-pages", action="store_true", help="also run ours with its weights in 4 KB pages (huge_pages=False)"
     )
+    parser.add_argument(
+        "--all-flags", action="store_true", help="run each baseline at every flag set the test lists, not the first"
+    )
     args = parser.parse_args()
     script, tool, test, mainline_flags, ik_flags = TESTS[args.test]
     run_tool, variable = (llama_bench, "LLAMA_BENCH") if tool == "bench" else (batched_bench, "LLAMA_BATCHED_BENCH")
     engines: list[tuple[str, Callable[[], float]]] = [("ours", lambda: ours(args.file, script))]
     if args.small_pages:
         engines.append(("ours, 4 KB pages", lambda: ours(args.file, script, "small")))
-    if os.environ.get(variable):
-        engines.append(("llama.cpp", lambda: run_tool(os.environ[variable], args.file, test, mainline_flags)))
-    if os.environ.get(f"IK_{variable}"):
-        engines.append(("ik_llama.cpp", lambda: run_tool(os.environ[f"IK_{variable}"], args.file, test, ik_flags)))
+    for name, prefix, flag_sets in (("llama.cpp", "", mainline_flags), ("ik_llama.cpp", "IK_", ik_flags)):
+        binary = os.environ.get(prefix + variable)
+        if not binary:
+            continue
+        for flags in flag_sets if args.all_flags else flag_sets[:1]:
+            label = f"{name} {' '.join(flags)}" if args.all_flags else name
+            engines.append((label, lambda binary=binary, flags=flags: run_tool(binary, args.file, test, flags)))
     results: dict[str, list[float]] = {name: [] for name, _ in engines}
     for round_ in range(args.rounds):
         for name, run in engines if round_ % 2 == 0 else engines[::-1]:
