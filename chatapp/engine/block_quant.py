@@ -156,6 +156,16 @@ _IQ4_VALUES = torch.tensor(
 )
 
 
+def _six_bit_values(planes: torch.Tensor) -> torch.Tensor:
+    """A (tile, super-block)'s 96 bytes of 6-bit planes (csrc/six_bit_scales.h) -> [tiles, B, 8 groups, 16]."""
+    tiles, blocks = planes.shape[:2]
+    nibbles = planes[..., :64].reshape(tiles, blocks, 4, TILE).to(torch.int32)
+    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)  # groups 0-3 in the low nibbles, 4-7 in the high
+    tops = planes[..., 64:].reshape(tiles, blocks, 2, 1, TILE).to(torch.int32)
+    top = (tops >> (2 * torch.arange(4)).view(1, 1, 1, 4, 1)) & 3  # [.., q, i, 16]: group 4q + i
+    return low | (top.reshape(tiles, blocks, 8, TILE) << 4)
+
+
 def _dequantize_k(packed: torch.Tensor, kind: int) -> torch.Tensor:
     """K kinds -> [tiles * 16, super-blocks, 256] float32, as gguf's own de-quantisation computes it."""
     tiles, blocks = packed.shape[:2]
@@ -183,8 +193,8 @@ def _dequantize_k(packed: torch.Tensor, kind: int) -> torch.Tensor:
         return w.reshape(tiles * TILE, blocks, SUPER_BLOCK)
     base = 2048 if kind == KIND_Q4K else 2560
     d, dmin = _fp16_at(packed, base).transpose(1, 2), _fp16_at(packed, base + 32).transpose(1, 2)
-    sc = packed[..., base + 64 : base + 192].reshape(tiles, blocks, 8, TILE).float().permute(0, 3, 1, 2)
-    m = packed[..., base + 192 : base + 320].reshape(tiles, blocks, 8, TILE).float().permute(0, 3, 1, 2)
+    sc = _six_bit_values(packed[..., base + 64 : base + 160]).float().permute(0, 3, 1, 2)
+    m = _six_bit_values(packed[..., base + 160 : base + 256]).float().permute(0, 3, 1, 2)
     w = (d[..., None] * sc)[..., None] * q - (dmin[..., None] * m)[..., None]
     return w.reshape(tiles * TILE, blocks, SUPER_BLOCK)
 

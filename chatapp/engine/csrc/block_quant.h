@@ -34,8 +34,8 @@ constexpr int64_t kQ5STileBytes = kQ4STileBytes + kQuantTile * kQuantBlock / 8; 
 constexpr int64_t kQ5MTileBytes = kQ5STileBytes + kQuantTile * 2;                     // 384
 constexpr int64_t kQ8TileBytes = kQuantTile * kQuantBlock + kQuantTile * 2;          // 544
 // Bytes of one (tile, super-block) for the K kinds (layouts in kquant.cpp).
-constexpr int64_t kQ4KTileBytes = 2048 + 64 + 256;        // 2368
-constexpr int64_t kQ5KTileBytes = 2048 + 512 + 64 + 256;  // 2880
+constexpr int64_t kQ4KTileBytes = 2048 + 64 + 192;        // 2304: the file's 16 x 144 (six_bit_scales.h)
+constexpr int64_t kQ5KTileBytes = 2048 + 512 + 64 + 192;  // 2816: the file's 16 x 176
 constexpr int64_t kQ6KTileBytes = 2048 + 1024 + 32 + 256; // 3360
 constexpr int64_t kIQ4XTileBytes = 2048 + 32 + 128;        // 2208
 

@@ -33,6 +33,7 @@
 
 #include "block_quant.h"
 #include "iq4_values.h"
+#include "six_bit_scales.h"
 #include "worker_pool.h"
 
 namespace {
@@ -254,8 +255,8 @@ void write_block256(uint8_t* blk, int64_t kind, int64_t c, const Block256& b) {
   std::memcpy(blk + base + 2 * c, &b.d, 2);
   std::memcpy(blk + base + 32 + 2 * c, &b.dmin, 2);
   for (int g = 0; g < 8; ++g) {
-    blk[base + 64 + 16 * g + c] = static_cast<uint8_t>(b.sc[g]);
-    blk[base + 192 + 16 * g + c] = b.m[g];
+    chatapp::put_six_bit(blk + base + 64, g, c, static_cast<uint8_t>(b.sc[g]));
+    chatapp::put_six_bit(blk + base + 64 + chatapp::kSixBitPlanesBytes, g, c, b.m[g]);
   }
 }
 
@@ -291,8 +292,8 @@ void put_q4k_factors(uint8_t* blk, int64_t c, const uint8_t* p) {
   for (int j = 0; j < 8; ++j) {
     uint8_t sc, m;
     scale_min_k4(p + 4, j, sc, m);
-    blk[2112 + 16 * j + c] = sc;
-    blk[2240 + 16 * j + c] = m;
+    chatapp::put_six_bit(blk + 2112, j, c, sc);
+    chatapp::put_six_bit(blk + 2112 + chatapp::kSixBitPlanesBytes, j, c, m);
   }
 }
 
@@ -453,18 +454,19 @@ inline void put_tile_q4k_factors(const uint8_t* const rows[kQuantTile], int64_t 
   load_lanes(rows, at + 4, a);  // bytes 12-15 are the codes' first: read, not used
   to_chunks(a, s);              // s[k], channel c's dword: its scale bytes 4k..4k+3
   const __m128i six = _mm_set1_epi8(63), low4 = _mm_set1_epi8(0x0F);
+  __m128i sc[8], m[8];  // each group's row of 16 channels' values
   for (int j = 0; j < 4; ++j) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 2112 + 16 * j), _mm_and_si128(byte_row(s[0], j), six));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 2240 + 16 * j), _mm_and_si128(byte_row(s[1], j), six));
+    sc[j] = _mm_and_si128(byte_row(s[0], j), six);
+    m[j] = _mm_and_si128(byte_row(s[1], j), six);
     // j + 4: sc = (s[j + 8] & 15) | (s[j] >> 6) << 4, m = s[j + 8] >> 4 | (s[j + 4] >> 6) << 4
     const __m128i hi = byte_row(s[2], j);
     const __m128i top_sc = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(byte_row(s[0], j), 6), _mm_set1_epi8(3)), 4);
     const __m128i top_m = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(byte_row(s[1], j), 6), _mm_set1_epi8(3)), 4);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 2112 + 16 * (j + 4)),
-                     _mm_or_si128(_mm_and_si128(hi, low4), top_sc));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(blk + 2240 + 16 * (j + 4)),
-                     _mm_or_si128(_mm_and_si128(_mm_srli_epi16(hi, 4), low4), top_m));
+    sc[j + 4] = _mm_or_si128(_mm_and_si128(hi, low4), top_sc);
+    m[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(hi, 4), low4), top_m);
   }
+  chatapp::put_six_bit_rows(sc, blk + 2112);
+  chatapp::put_six_bit_rows(m, blk + 2112 + chatapp::kSixBitPlanesBytes);
 }
 
 // put_q6k_factors for the 16 channels: the 16 int8 scales at rows[c] + at + 192 transposed to [sub-block][c].

@@ -27,9 +27,10 @@
 // group g (inputs 32g..32g+31) take 256 bytes at 256g in the Q4 layout of block_quant.cpp: in chunk j
 // (64 bytes), byte 4c + i holds channel c's input 4j + i in its low nibble and 16 + 4j + i in its high
 // nibble. Then, by kind:
-//   Q4_K: d[16] fp16 @2048, dmin[16] fp16 @2080, sc[8 groups][16] u8 @2112, m[8][16] u8 @2240.
+//   Q4_K: d[16] fp16 @2048, dmin[16] fp16 @2080, then the 8 groups' 6-bit scales of the 16 channels @2112 and
+//         their minimums @2208, each in six_bit_scales.h's 96 bytes of planes: the file's bytes, no more.
 //   Q5_K: each group's fifth bits @2048 + 64g (byte p, bit j: the code of register j, lane p, see
-//         unpack below), then d @2560, dmin @2592, sc @2624, m @2752.
+//         unpack below), then d @2560, dmin @2592, scales @2624, minimums @2720 (planes as Q4_K's).
 //   Q6_K: each group's bits 4-5 @2048 + 128g (two 64-byte planes, registers 0-3 and 4-7, two bits each),
 //         then d[16] fp16 @3072, sc[16 sub-blocks][16] int8 @3104.
 //   IQ4X (IQ4_XS: w = d * sc * v, v one of IQ4_NL's 16 values in -127..113, sc = ls - 32 per group): the
@@ -48,6 +49,7 @@
 #include "avx2_dot.h"
 #include "block_quant.h"
 #include "iq4_values.h"
+#include "six_bit_scales.h"
 #include "tile_walk.h"
 
 namespace {
@@ -151,8 +153,8 @@ struct KindLayout {
 };
 
 constexpr KindLayout layout_of(int64_t kind) {
-  return kind == kKindQ4K   ? KindLayout{kQ4KTileBytes, 2048, 2080, 2112, 2240, 0, 0}
-         : kind == kKindQ5K ? KindLayout{kQ5KTileBytes, 2560, 2592, 2624, 2752, 2048, 64}
+  return kind == kKindQ4K   ? KindLayout{kQ4KTileBytes, 2048, 2080, 2112, 2208, 0, 0}
+         : kind == kKindQ5K ? KindLayout{kQ5KTileBytes, 2560, 2592, 2624, 2720, 2048, 64}
          : kind == kKindQ6K ? KindLayout{kQ6KTileBytes, 3072, 0, 3104, 0, 2048, 128}
                             : KindLayout{kIQ4XTileBytes, 2048, 0, 2080, 0, 0, 0};
 }
@@ -200,10 +202,11 @@ void tile_loop(PortableLoop, const SuperBlockActivations& a, int64_t rows, int64
       } else {  // one scale per group of two sub-blocks: their dots are added first
         group_dot += dot;
         if (s % 2 == 1) {
-          fsum = std::fma(static_cast<float>(group_dot), static_cast<float>(blk[L.sc_offset + 16 * (s / 2) + c]), fsum);
+          const float sc = static_cast<float>(chatapp::six_bit_at(blk + L.sc_offset, s / 2, c));
+          fsum = std::fma(static_cast<float>(group_dot), sc, fsum);
           group_dot = 0;
         }
-        imin += blk[L.m_offset + 16 * (s / 2) + c] * xs[s];
+        imin += chatapp::six_bit_at(blk + L.m_offset, s / 2, c) * xs[s];
       }
     }
     f = std::fma(fsum, half_at(blk + L.d_offset + 2 * c) * dx, f);
@@ -250,7 +253,7 @@ inline void load_group(const uint8_t* blk, int64_t g, __m512i w[8], __m512i& sc0
     sc1 = _mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 32 * g + 16)));
   } else {
-    sc0 = sc1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g)));
+    sc0 = sc1 = _mm512_cvtepu8_epi32(chatapp::six_bit_row(blk + L.sc_offset, g));
   }
 }
 
@@ -266,8 +269,7 @@ inline __m512i dot_chain(const __m512i w[4], const int8_t* xq, __m512i start = _
 template <int64_t kKind>
 CHATAPP_INLINE inline __m512 group_scales(const uint8_t* blk, int64_t g) {
   constexpr KindLayout L = layout_of(kKind);
-  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + L.sc_offset + 16 * g));
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(chatapp::six_bit_row(blk + L.sc_offset, g)));
 }
 
 // One row's Q4_K group g: its dot, with the high nibbles left in place. A byte's high nibble, masked, is
@@ -305,9 +307,8 @@ CHATAPP_INLINE inline void load_pairs(const uint8_t* blk, __m512i pairs[kPairs])
   constexpr KindLayout L = layout_of(kKind);
   if constexpr (!sub_block_scales(kKind))
     for (int p = 0; p < kPairs; ++p) {
-      const uint8_t* at = blk + L.m_offset + 32 * p;
-      const __m128i even = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
-      const __m128i odd = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16));
+      const __m128i even = chatapp::six_bit_row(blk + L.m_offset, 2 * p);
+      const __m128i odd = chatapp::six_bit_row(blk + L.m_offset, 2 * p + 1);
       pairs[p] = _mm512_or_si512(_mm512_cvtepu8_epi32(even), _mm512_slli_epi32(_mm512_cvtepu8_epi32(odd), 16));
     }
 }
@@ -676,9 +677,10 @@ inline void load_group_avx2(const uint8_t* blk, int64_t g, int h, __m256i w[8], 
   } else if constexpr (kKind == kKindQ6K) {
     sc0 = i8x8(blk + L.sc_offset + 32 * g + 8 * h);
     sc1 = i8x8(blk + L.sc_offset + 32 * g + 16 + 8 * h);
-  } else {
-    sc0 = sc1 = u8x8(blk + L.sc_offset + 16 * g + 8 * h);
-    mv = u8x8(blk + L.m_offset + 16 * g + 8 * h);
+  } else {  // channels 8h..8h+7 of the group's rows
+    const __m128i sc = chatapp::six_bit_row(blk + L.sc_offset, g), m = chatapp::six_bit_row(blk + L.m_offset, g);
+    sc0 = sc1 = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(sc, 8) : sc);
+    mv = _mm256_cvtepu8_epi32(h ? _mm_srli_si128(m, 8) : m);
   }
 }
 
