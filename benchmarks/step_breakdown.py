@@ -1,11 +1,13 @@
 """Where a decode step's time goes, on the torch-free CPU runner: the engine's step split into the layer loop,
-the LM head, sampling and the engine around them; and beside it, the same file's projections run alone,
+the LM head, sampling and the engine around them, the layer loop further by op (the extension times each of its
+ops when asked: csrc/op_profile.h); and beside it, the same file's projections run alone,
 back to back, on the same number of rows.
 
 Why: a batch of decodes (8-way in decode_alternated.py) reads every weight once a step, so its speed is the
 projections' streaming rate plus everything else the step does. The difference between the layer loop and
-the projections alone is what attention, the norms, RoPE and the KV writes cost, without instrumenting the
-C++ loop.
+the projections alone is what attention, the norms, RoPE and the KV writes cost together; the ops' own times
+say which (each op timed where it runs, so a projection's line is its streaming inside the loop). "between
+them" is the rest of the loop's call: the embedding lookup, the RoPE tables and the arrays handed to C++.
 
     python benchmarks/step_breakdown.py FILE.gguf [--batch 8] [--tokens 128]
 
@@ -57,6 +59,17 @@ def engine_step(path: Path, batch: int, tokens: int) -> dict[str, float]:
 
     timed(llm.core, "step", "step")
     timed(model, "forward", "layer loop")
+    model.cpu.set_profiling(True)  # the layer loop's ops too, one forward at a time (op_profile.h)
+    forward = model.forward
+
+    def profiled(*args: object, **kwargs: object) -> object:
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for op, seconds, _ in model.cpu.take_profile():
+                calls.setdefault(f"op {op}", []).append(seconds)
+
+    model.forward = profiled
     timed(model, "compute_logits", "LM head")
     timed(runner, "sampler", "sampling")
     greedy = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -66,6 +79,15 @@ def engine_step(path: Path, batch: int, tokens: int) -> dict[str, float]:
     ms = {part: float(np.mean(times[1:])) * 1e3 for part, times in calls.items()}
     ms["engine around them"] = ms["step"] - ms["layer loop"] - ms["LM head"] - ms["sampling"]
     return ms
+
+
+def print_ops(ms: dict[str, float]) -> None:
+    """The layer loop's ops (all layers' calls summed), heaviest first, as ms a step and % of the loop."""
+    ops = sorted(((part[3:], t) for part, t in ms.items() if part.startswith("op ")), key=lambda p: -p[1])
+    print("  inside the layer loop, by op:")
+    for op, t in ops:
+        print(f"    {op}: {t:.2f} ms ({100 * t / ms['layer loop']:.1f}%)")
+    print(f"    between them: {ms['layer loop'] - sum(t for _, t in ops):.2f} ms")
 
 
 def in_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
@@ -135,6 +157,7 @@ def main() -> None:
     )
     for part in ("layer loop", "LM head", "sampling", "engine around them"):
         print(f"  {part}: {ms[part]:.2f} ms")
+    print_ops(ms)
     print(
         f"the projections alone, {args.batch} rows: {alone:.2f} ms ({rate:.1f} GB/s of packed weights); the layer "
         f"loop's rest (attention, norms, RoPE, KV writes, the projections' slower streaming inside the loop): "

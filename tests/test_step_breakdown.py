@@ -1,5 +1,6 @@
-"""benchmarks/step_breakdown.py reaches into the engine (the runner's model and sampler, the core's step) to
-time a decode step by parts: this runs it on a tiny mixed-type file, so a change there that breaks it shows."""
+"""benchmarks/step_breakdown.py reaches into the engine (the runner's model and sampler, the core's step, the
+extension's op profile) to time a decode step by parts: this runs it on a tiny mixed-type file, so a change there
+that breaks it shows."""
 
 from __future__ import annotations
 
@@ -25,10 +26,26 @@ def test_step_breakdown_times_a_decode_step_by_parts_and_the_projections_alone(t
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     step = re.search(r"2 requests: ([\d.]+) ms a decode step", out)
-    parts = {name: float(ms) for name, ms in re.findall(r"^  ([a-zA-Z ]+): ([\d.-]+) ms$", out, re.M)}
+    parts = {name: float(ms) for name, ms in re.findall(r"^  ([a-zA-Z][a-zA-Z ]*): ([\d.-]+) ms$", out, re.M)}
+    ops = {name: float(ms) for name, ms in re.findall(r"^    ([a-z_/ ]+): ([\d.]+) ms \([\d.]+%\)$", out, re.M)}
     alone = re.search(r"the projections alone, 2 rows: ([\d.]+) ms \(([\d.]+) GB/s", out)
     assert step and alone, out
     assert set(parts) == {"layer loop", "LM head", "sampling", "engine around them"}, out
     assert parts["layer loop"] > 0 and parts["LM head"] > 0 and float(alone.group(1)) > 0, out
     # the parts are within the step they were timed in
     assert parts["layer loop"] + parts["LM head"] + parts["sampling"] <= float(step.group(1)) + 0.05, out
+    # the layer loop by op: a Llama's every op timed inside the loop, all within it
+    assert set(ops) == {
+        "input norm",
+        "qkv",
+        "rope",
+        "kv store",
+        "attention",
+        "o",
+        "mlp norm",
+        "gate_up",
+        "down",
+        "final norm",
+    }, out
+    assert ops["attention"] > 0 and ops["gate_up"] > 0, out
+    assert sum(ops.values()) <= parts["layer loop"] + 0.05, out

@@ -21,6 +21,7 @@
 
 #include "activation_pool.h"
 #include "block_quant.h"
+#include "op_profile.h"
 #include "worker_pool.h"
 #include "paged_attention_cpu.h"
 #include "vec16.h"
@@ -395,27 +396,40 @@ class CpuModel {
     const at::Tensor c = cos.contiguous(), s = sin.contiguous(), slots = slot_mapping.contiguous();
     const at::Tensor lc = local_cos.contiguous(), ls = local_sin.contiguous();
     at::Tensor pending;  // the last block's output, added into the residual by the next norm
+    using Op = chatapp::OpProfile;
+    auto timed = [this](Op::Op op, auto&& f) { return profile_.time(op, f); };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
-      at::Tensor qkv = L.qkv(add_rms_norm(x, pending, L.input_norm, eps_));
-      if (L.q_norm.defined()) {
-        rms_norm_heads(qkv, 0, h, d, L.q_norm, eps_);
-        rms_norm_heads(qkv, h, hkv, d, L.k_norm, eps_);
-      }
-      if (L.use_rope) rope(qkv, h + hkv, d, L.local ? lc : c, L.local ? ls : s);
-      store_kv(qkv, q_size, k_caches[i], v_caches[i], slots);
-      at::Tensor attn = paged_attention(qkv.narrow(1, 0, q_size).view({t, h, d}), k_caches[i], v_caches[i],
-                                        query_start_loc, seq_lens, block_tables, scale_, L.local ? window_ : 0,
-                                        softcap_);
-      at::Tensor o = L.o(attn.view({t, q_size}));
-      if (L.attn_out_norm.defined()) o = add_rms_norm(o, at::Tensor(), L.attn_out_norm, eps_);
-      at::Tensor mlp_in = add_rms_norm(x, o, L.mlp_in_norm, eps_);
-      at::Tensor gate_up = L.gate_up(mlp_in);
-      pending = gelu_ ? L.down(gelu_and_mul(gate_up)) : L.down.after_swiglu(gate_up);
-      if (L.mlp_out_norm.defined()) pending = add_rms_norm(pending, at::Tensor(), L.mlp_out_norm, eps_);
+      const at::Tensor normed = timed(Op::kInputNorm, [&] { return add_rms_norm(x, pending, L.input_norm, eps_); });
+      at::Tensor qkv = timed(Op::kQkv, [&] { return L.qkv(normed); });
+      if (L.q_norm.defined())
+        timed(Op::kQkNorms, [&] {
+          rms_norm_heads(qkv, 0, h, d, L.q_norm, eps_);
+          rms_norm_heads(qkv, h, hkv, d, L.k_norm, eps_);
+        });
+      if (L.use_rope) timed(Op::kRope, [&] { rope(qkv, h + hkv, d, L.local ? lc : c, L.local ? ls : s); });
+      timed(Op::kKvStore, [&] { store_kv(qkv, q_size, k_caches[i], v_caches[i], slots); });
+      const at::Tensor attn = timed(Op::kAttention, [&] {
+        return paged_attention(qkv.narrow(1, 0, q_size).view({t, h, d}), k_caches[i], v_caches[i], query_start_loc,
+                               seq_lens, block_tables, scale_, L.local ? window_ : 0, softcap_);
+      });
+      at::Tensor o = timed(Op::kOutProjection, [&] { return L.o(attn.view({t, q_size})); });
+      if (L.attn_out_norm.defined())
+        o = timed(Op::kBlockOutNorms, [&] { return add_rms_norm(o, at::Tensor(), L.attn_out_norm, eps_); });
+      const at::Tensor mlp_in = timed(Op::kMlpNorm, [&] { return add_rms_norm(x, o, L.mlp_in_norm, eps_); });
+      const at::Tensor gate_up = timed(Op::kGateUp, [&] { return L.gate_up(mlp_in); });
+      pending = timed(Op::kDown, [&] { return gelu_ ? L.down(gelu_and_mul(gate_up)) : L.down.after_swiglu(gate_up); });
+      if (L.mlp_out_norm.defined())
+        pending = timed(Op::kBlockOutNorms, [&] { return add_rms_norm(pending, at::Tensor(), L.mlp_out_norm, eps_); });
     }
-    return add_rms_norm(x, pending, final_norm_, eps_);
+    return timed(Op::kFinalNorm, [&] { return add_rms_norm(x, pending, final_norm_, eps_); });
   }
+
+  // Time each op of the layer loop from now on (or stop): what take_profile() reports (op_profile.h says why).
+  void set_profiling(bool on) { profile_.enable(on); }
+
+  // [(op, seconds, calls)] summed over the forwards since the last call, for the ops that ran; the sums restart.
+  std::vector<std::tuple<std::string, double, int64_t>> take_profile() { return profile_.take(); }
 
  private:
   std::vector<py::object> keep_;  // the numpy arrays our tensors view (first: the initializers below fill it)
@@ -428,6 +442,7 @@ class CpuModel {
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
   Linear head_;
+  chatapp::OpProfile profile_;
   std::map<int64_t, std::shared_ptr<AnchorBuffer>> buffers_;
 };
 
@@ -485,5 +500,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &CpuModel::forward)
       .def("set_head", &CpuModel::set_head)
       .def("forward_arrays", &CpuModel::forward_arrays)
-      .def("head_arrays", &CpuModel::head_arrays);
+      .def("head_arrays", &CpuModel::head_arrays)
+      .def("set_profiling", &CpuModel::set_profiling, "time each op of the layer loop (or stop)", py::arg("on"))
+      .def("take_profile", &CpuModel::take_profile,
+           "[(op, seconds, calls)] of the layer loop's ops since the last take (with set_profiling on)");
 }
