@@ -15,7 +15,8 @@ from gguf import GGMLQuantizationType, quants
 from chatapp.engine import LLM, SamplingParams, cpu_kernels
 from chatapp.engine.block_quant import K_KINDS, KIND_FOR_GGUF_TYPE, BlockQuantLinear, block_inputs, dequantize
 from chatapp.engine.models.config import UnsupportedModelError
-from chatapp.engine.models.gguf_file import GGUFError
+from chatapp.engine.models.gguf_file import GGUFError, GGUFTensor
+from chatapp.engine.models.gguf_weights import EmbeddingTable
 from tests.activation_reference import int8_activations
 from tests.gguf_blocks import BLOCK_TYPES, WIDENED_TYPES, random_blocks
 from tests.gguf_models import LlamaShape, write_llama_gguf
@@ -62,6 +63,28 @@ def test_every_type_keeps_the_files_weights_bit_for_bit(ext, type_name: str) -> 
         theirs = quants.dequantize(raw, GGMLQuantizationType[type_name])
         assert ours.shape == theirs.shape == (rows, k)
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+ROW_DECODED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES)
+def test_embedding_rows_are_the_files_weights_bit_for_bit(ext, type_name: str) -> None:
+    """A step's token embedding lookup (EmbeddingTable): the extension decodes the types it takes, `gguf` the
+    rest, and either way each row has gguf's bits, in the tokens' order, repeats and all."""
+    rng = np.random.default_rng(11 + len(type_name))
+    raw = random_blocks(type_name, 50, 512, rng)
+    type_id = int(GGMLQuantizationType[type_name])
+    assert ext.dequantizes_gguf_rows(type_id) == (type_name in ROW_DECODED_TYPES)
+    table = EmbeddingTable(GGUFTensor("token_embd.weight", type_name, type_id, (50, 512), raw, 0), ext)
+    ids = np.array([7, 3, 7, 49, 0], dtype=np.int64)
+    ours = table.rows(ids)
+    theirs = quants.dequantize(raw, GGMLQuantizationType[type_name])[ids]
+    assert ours.dtype == np.float32 and ours.shape == (5, 512)
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    if type_name in ROW_DECODED_TYPES:  # rows of the wrong length are refused, not read past
+        with pytest.raises(RuntimeError, match="do not match"):
+            ext.dequantize_gguf_rows(raw[:, :-2], type_id, 512, np.empty((50, 512), np.float32))
 
 
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)

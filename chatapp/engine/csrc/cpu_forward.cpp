@@ -481,6 +481,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_decode_batch_loop", &set_decode_batch_loop,
         "the VNNI loop decode batches of 2-8 rows run: auto (by CPU), rows or pairs (the same bits)", py::arg("name"));
   m.def("decode_batch_loop", &decode_batch_loop, "the VNNI loop decode batches of 2-8 rows run now: rows or pairs");
+  m.def("dequantizes_gguf_rows", &dequantizes_gguf_rows, "whether dequantize_gguf_rows takes a GGUF type",
+        py::arg("ggml_type"));
+  m.def(
+      "dequantize_gguf_rows",
+      [](const py::array& raw, int64_t ggml_type, int64_t k, const py::array& out) {
+        at::Tensor out_view = array_view(out);
+        dequantize_gguf_rows(array_view(raw), ggml_type, k, out_view);
+      },
+      "GGUF rows (uint8 [N, row bytes]) into out (float32 [N, k]) with the gguf package's bits", py::arg("raw"),
+      py::arg("ggml_type"), py::arg("k"), py::arg("out"));
   m.def("repack_gguf_array", &repack_gguf_array, "repack_gguf into a numpy array (no torch needed)", py::arg("raw"),
         py::arg("ggml_type"), py::arg("k"), py::arg("row_order"), py::arg("out"));
   m.def(

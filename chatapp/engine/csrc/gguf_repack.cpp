@@ -18,6 +18,7 @@
 // up), their indices and factors as the file has them:
 //   IQ4_NL -> kind 9 (Q4_0's layout, 1.0x)   IQ4_XS -> 108 (kquant.cpp's IQ4X; its 6-bit scales as int8, 1.015x)
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstring>
@@ -540,6 +541,66 @@ void populate_for_writing(uint8_t* p, int64_t n) {
 }
 
 }  // namespace
+
+namespace {
+
+float half_bits_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// One GGUF block's weights as floats, in the `gguf` package's own order of float operations (quants.py), so each
+// value has its bits: Q4_0 d * (q - 8), Q4_1 d * q + m, Q5_0 d * (q - 16), Q5_1 d * q + m, Q8_0 q * d,
+// Q4_K/Q5_K (d * sc) * q - dmin * m, Q6_K (d * sc) * (q - 32). Built with -ffp-contract=off: nothing is fused.
+void dequantize_block(int64_t type, const uint8_t* p, float* out) {
+  if (type == kQ4_K || type == kQ5_K || type == kQ6_K) {
+    const Block256 b = decode_block256(type, p);
+    const float d = half_bits_to_float(b.d);
+    if (type == kQ6_K) {
+      for (int i = 0; i < 256; ++i)
+        out[i] = (d * static_cast<float>(b.sc[i / 16])) * static_cast<float>(static_cast<int>(b.code[i]) - 32);
+      return;
+    }
+    const float dmin = half_bits_to_float(b.dmin);
+    for (int g = 0; g < 8; ++g) {
+      const float scale = d * static_cast<float>(static_cast<uint8_t>(b.sc[g])), min = dmin * static_cast<float>(b.m[g]);
+      for (int i = 32 * g; i < 32 * g + 32; ++i) out[i] = scale * static_cast<float>(b.code[i]) - min;
+    }
+    return;
+  }
+  const Block32 b = decode_block32(type, p);
+  const float d = half_bits_to_float(b.d), m = half_bits_to_float(b.m);
+  for (int i = 0; i < 32; ++i) {
+    const int code = b.code[i];
+    switch (type) {
+      case kQ4_0: out[i] = d * static_cast<float>(code - 8); break;
+      case kQ5_0: out[i] = d * static_cast<float>(code - 16); break;
+      case kQ8_0: out[i] = static_cast<float>(code - 128) * d; break;
+      default: out[i] = d * static_cast<float>(code) + m;  // Q4_1, Q5_1
+    }
+  }
+}
+
+}  // namespace
+
+bool dequantizes_gguf_rows(int64_t ggml_type) {
+  switch (ggml_type) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+void dequantize_gguf_rows(const at::Tensor& raw, int64_t ggml_type, int64_t k, at::Tensor& out) {
+  TORCH_CHECK(dequantizes_gguf_rows(ggml_type), "GGUF type ", ggml_type, " is not de-quantised here");
+  const int64_t block = ggml_type >= kQ4_K ? kSuperBlock : kQuantBlock, block_bytes = gguf_block_bytes(ggml_type);
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.stride(1) == 1, "raw must be uint8 [N, row bytes]");
+  TORCH_CHECK(k % block == 0 && raw.size(1) == k / block * block_bytes, "row bytes ", raw.size(1), " do not match ",
+              k, " weights of this type");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() && out.size(0) == raw.size(0) &&
+                  out.size(1) == k, "out must be a contiguous float32 [N, ", k, "]");
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < raw.size(0); ++r)
+    for (int64_t b = 0; b < k / block; ++b)
+      dequantize_block(ggml_type, rp + r * raw.stride(0) + b * block_bytes, op + r * k + b * block);
+}
 
 std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t k,
                                             const std::optional<at::Tensor>& row_order,

@@ -15,8 +15,8 @@ import numpy as np
 
 from chatapp.engine.huge_pages import WeightArena
 from chatapp.engine.models.config import ModelConfig
-from chatapp.engine.models.gguf_file import GGUFModelFile, GGUFTensor
-from chatapp.engine.models.gguf_weights import GGUFWeights, check_embedding, check_layer_count, dequantize_rows
+from chatapp.engine.models.gguf_file import GGUFModelFile
+from chatapp.engine.models.gguf_weights import EmbeddingTable, GGUFWeights, check_embedding, check_layer_count
 from chatapp.engine.models.rope_arrays import rope_tables
 from chatapp.engine.weight_packer import WeightPacker
 
@@ -30,7 +30,7 @@ class ArrayModel:
         self,
         mc: ModelConfig,
         cpu: Any,
-        embedding: GGUFTensor,
+        embedding: EmbeddingTable,
         tables: Tables,
         local: Tables,
         packer: WeightPacker | None = None,
@@ -53,8 +53,7 @@ class ArrayModel:
 
     def embed(self, token_ids: np.ndarray) -> np.ndarray:
         """float32 [T, hidden]: each token's row, de-quantised exactly (a new array the loop may write)."""
-        unique, inverse = np.unique(token_ids, return_inverse=True)
-        rows = dequantize_rows(self._embedding, unique)[inverse.reshape(-1)]
+        rows = self._embedding.rows(token_ids)
         if self._embed_scale is not None:
             rows *= self._embed_scale
         return np.ascontiguousarray(rows, dtype=np.float32)
@@ -152,7 +151,7 @@ def load_array_model(
     local = tables
     if mc.is_gemma and mc.local_rope_theta is not None:  # Gemma 3: local layers take their own base, unscaled
         local = rope_tables(mc.head_dim, max_positions, mc.local_rope_theta, None, mc.rotary_dim, ext.cos_sin)
-    embedding = check_embedding(gguf, mc)
+    embedding = EmbeddingTable(check_embedding(gguf, mc), ext)
     packer = None
     if weights.pack_jobs:
         packer = WeightPacker(weights.pack_jobs, gguf.path.name)
