@@ -90,8 +90,8 @@ std::tuple<at::Tensor, int64_t> repack_gguf(const at::Tensor& raw, int64_t ggml_
                                             const std::optional<at::Tensor>& out);
 
 // A GGUF tensor's rows (uint8 [N, row bytes]) -> out, float32 [N, k]: each weight with the bits the `gguf`
-// package's de-quantisation gives it (the embedding lookup of a decode step: ~1 us a row, where gguf's numpy
-// took 50-160 us a call). For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (dequantizes_gguf_rows).
+// package's de-quantisation gives it (the embedding lookup of a decode step: 4-18 us a row from Python, where
+// gguf's numpy took 70-180 us). For Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (dequantizes_gguf_rows).
 bool dequantizes_gguf_rows(int64_t ggml_type);
 void dequantize_gguf_rows(const at::Tensor& raw, int64_t ggml_type, int64_t k, at::Tensor& out);
 

@@ -540,10 +540,6 @@ void populate_for_writing(uint8_t* p, int64_t n) {
 #endif
 }
 
-}  // namespace
-
-namespace {
-
 float half_bits_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 // One GGUF block's weights as floats, in the `gguf` package's own order of float operations (quants.py), so each

@@ -9,8 +9,8 @@
 #include <array>
 #include <chrono>
 #include <string>
+#include <tuple>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace chatapp {

@@ -99,8 +99,8 @@ class EmbeddingTable:
     """A GGUF token embedding's rows, de-quantised as a step asks for them, with the `gguf` package's bits.
 
     Why not dequantize_rows alone: `gguf`'s numpy de-quantisation runs ~20 whole-array passes whatever the row
-    count, 50-160 us for a decode step's one row (0.29 ms a step inside a 1B Q4_K_M model's decode, ~1% of it).
-    The extension decodes the types it packs in ~1 us a row; any other type still goes through `gguf`."""
+    count, 70-180 us for a decode step's one row (0.29 ms a step inside a 1B Q4_K_M model's decode, ~1% of it).
+    The extension decodes the types it packs in 4-18 us a row; any other type still goes through `gguf`."""
 
     def __init__(self, tensor: GGUFTensor, ext: ModuleType) -> None:
         self.tensor = tensor
