@@ -263,6 +263,51 @@ def test_threads_sharing_a_linear_compute_every_tile_once(ext, type_name: str) -
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("mix", [("Q4_K", "Q6_K"), ("Q5_K", "Q6_K", "IQ4_XS", "Q4_K"), ("Q4_0", "Q8_0", "Q6_K")])
+def test_a_projection_stored_in_several_kinds_has_each_parts_bits(ext, mix: tuple[str, ...]) -> None:
+    """block_linear_parts (a Q4_K_M file's qkv: q and k in Q4_K, v in Q6_K) runs all the parts' tiles as one
+    parallel call (the K kinds) or part by part (other mixes): every output has the bits of its part run alone,
+    on every loop, for one row (written in place) and for batches, on one thread and on two sharing the tiles.
+    The parts end in partial tiles, so a tile spilling into the next part's columns would show."""
+    rng = np.random.default_rng(5)
+    k = 512
+    outs = [37 * 16 + 5, 3 * 16 + 3, 32, 16 * 5 + 9][: len(mix)]
+    packed, kinds = [], []
+    for type_name, n in zip(mix, outs, strict=True):
+        part, kind = repack(ext, random_blocks(type_name, n, k, rng), type_name, k)
+        packed.append(part)
+        kinds.append(kind)
+    torch.manual_seed(2)
+    x = torch.randn(21, k)
+    bias = torch.randn(sum(outs))
+    starts = np.cumsum([0, *outs])
+
+    def alone(rows: torch.Tensor, path: str, with_bias: bool = True) -> torch.Tensor:
+        parts_bias = [bias[starts[i] : starts[i + 1]] if with_bias else None for i in range(len(mix))]
+        return torch.cat(
+            [ext.block_linear(rows, packed[i], kinds[i], outs[i], parts_bias[i], path=path) for i in range(len(mix))],
+            dim=1,
+        )
+
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for path in ext.block_quant_paths():
+                for rows in (1, 2, 5, 8, 9, 21):
+                    expected = alone(x[:rows], path)
+                    for _ in range(20 if rows in (1, 9) else 1):
+                        got = ext.block_linear_parts(x[:rows], packed, kinds, outs, bias, path=path)
+                        assert torch.equal(got, expected), (count, path, rows)
+            assert torch.equal(ext.block_linear_parts(x[:3], packed, kinds, outs, None), alone(x[:3], "best", False))
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="one kind and one output count per packed part"):
+        ext.block_linear_parts(x, packed, kinds[:1], outs, None)
+    with pytest.raises(RuntimeError, match="one value per output"):
+        ext.block_linear_parts(x, packed, kinds, outs, bias[:-1])
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_prompts_big_output_written_past_the_caches_keeps_every_bit(ext, type_name: str) -> None:
     """A prompt-sized output (1 MiB or more: tile_walk.h's streaming_outputs) is written with non-temporal

@@ -249,7 +249,7 @@ class BlockQuantLinear(nn.Module):
     """y = x @ W^T (+ b) with W in packed blocks; the C++ kernel where it is built.
 
     W may be several parts side by side (a fused q/k/v whose v has another type, as in
-    Q4_K_M files); each is multiplied in its own kind and the outputs are concatenated.
+    Q4_K_M files); each is multiplied in its own kind, the outputs side by side.
     Without the kernel (no compiler) the weights are dequantized once and multiplied in
     float32: the same weights, activations unrounded.
     """
@@ -295,8 +295,11 @@ class BlockQuantLinear(nn.Module):
             p = self.parts[0]
             out: torch.Tensor = self._ext.block_linear(x, p.packed, p.kind, p.out_features, self.bias)
             return out
-        y = torch.cat([self._ext.block_linear(x, p.packed, p.kind, p.out_features) for p in self.parts], dim=1)
-        return y if self.bias is None else y.add_(self.bias)
+        parts = self.parts
+        y: torch.Tensor = self._ext.block_linear_parts(
+            x, [p.packed for p in parts], [p.kind for p in parts], [p.out_features for p in parts], self.bias
+        )
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kinds={self.kinds}"

@@ -48,6 +48,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -713,12 +714,54 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& packed, int64_t k
   if (rows == 0) return y;
   if (kind >= kKindQ4K) {
     at::Tensor bias_c = bias && bias->defined() ? bias->contiguous() : at::Tensor();
-    kquant_linear(x, packed.data_ptr<uint8_t>(), packed.size(0), kind, out_features,
-                  bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>(), path);
+    const KQuantPart part{packed.data_ptr<uint8_t>(), packed.size(0), kind, out_features,
+                          bias_c.defined() ? bias_c.data_ptr<float>() : nullptr, y.data_ptr<float>()};
+    kquant_linear_parts(x, &part, 1, path);
     return y;
   }
   quantize_rows(x, acts, path == kPathVnni, code_offset(static_cast<int>(kind)));
   block_tiles(acts, rows, k, packed, kind, out_features, bias, path, y);
+  return y;
+}
+
+at::Tensor block_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& kinds,
+                              const std::vector<int64_t>& out_features, const std::optional<at::Tensor>& bias,
+                              const std::string& path_name) {
+  const size_t count = packed.size();
+  TORCH_CHECK(count > 0 && kinds.size() == count && out_features.size() == count,
+              "block_linear_parts takes one kind and one output count per packed part");
+  const int64_t total = std::accumulate(out_features.begin(), out_features.end(), int64_t{0});
+  at::Tensor bias_c = bias && bias->defined() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!bias_c.defined() || bias_c.numel() == total, "bias must have one value per output");
+  const bool all_k = std::all_of(kinds.begin(), kinds.end(), [](int64_t kind) { return kind >= kKindQ4K; });
+  if (!all_k) {
+    std::vector<at::Tensor> ys;
+    for (size_t i = 0; i < count; ++i) ys.push_back(block_linear(x, packed[i], kinds[i], out_features[i], {}, path_name));
+    at::Tensor y = at::cat(ys, 1);
+    return bias_c.defined() ? y.add_(bias_c) : y;
+  }
+  const KernelPath path = kernel_path(path_name);
+  const int64_t rows = x.dim() == 2 ? x.size(0) : 0;
+  for (size_t i = 0; i < count; ++i)
+    check_packing(x, x.dim() == 2 ? x.size(1) : 0, packed[i], kinds[i], out_features[i], "x must be [M, K] float32 rows");
+  at::Tensor y = pooled_empty({rows, total}, x.options());
+  if (rows == 0) return y;
+  // One row is written in place (a part's outputs are its columns); more rows go to a buffer a part, then into y.
+  std::vector<at::Tensor> ys;
+  std::vector<KQuantPart> parts;
+  int64_t column = 0;
+  for (size_t i = 0; i < count; ++i) {
+    float* out = y.data_ptr<float>() + column;
+    if (rows > 1) {
+      ys.push_back(pooled_empty({rows, out_features[i]}, x.options()));
+      out = ys.back().data_ptr<float>();
+    }
+    const float* b = bias_c.defined() ? bias_c.data_ptr<float>() + column : nullptr;
+    parts.push_back(KQuantPart{packed[i].data_ptr<uint8_t>(), packed[i].size(0), kinds[i], out_features[i], b, out});
+    column += out_features[i];
+  }
+  kquant_linear_parts(x, parts.data(), static_cast<int64_t>(count), path);
+  for (size_t i = 0, c = 0; rows > 1 && i < count; c += out_features[i++]) y.narrow(1, c, out_features[i]).copy_(ys[i]);
   return y;
 }
 

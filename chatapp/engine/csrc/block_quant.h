@@ -76,9 +76,24 @@ bool is_float_rows_kind(int64_t kind);
 at::Tensor float_rows_linear(const at::Tensor& x, const at::Tensor& rows, int64_t kind, int64_t out_features,
                              const std::optional<at::Tensor>& bias, KernelPath path);
 
-// The K kinds' kernel (kquant.cpp), called by block_linear.
-void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, int64_t kind, int64_t out_features,
-                   const float* bias, float* y, KernelPath path);
+// The K kinds' kernel (kquant.cpp), called by block_linear and block_linear_parts: y = x @ W^T (+ bias) for each
+// part, the parts' tiles shared out between the threads as one projection's.
+struct KQuantPart {
+  const uint8_t* packed;  // [tiles, K / 256, tile bytes] of kind `kind`
+  int64_t tiles, kind, out_features;
+  const float* bias;  // out_features of them, or null
+  float* y;           // [M, out_features]
+};
+void kquant_linear_parts(const at::Tensor& x, const KQuantPart* parts, int64_t count, KernelPath path);
+
+// One projection whose outputs are stored as several packed tensors, each of its own kind (a Q4_K_M file's q and k
+// in Q4_K beside v in Q6_K): y [M, sum of outs] = the parts' outputs side by side (+ bias). Each output has
+// block_linear's bits. Why one call: the parts as separate calls (and a concatenation) streamed a 1B Q4_K_M
+// model's qkv weights at 27-29 GB/s against 40-43 for its gate_up (each call's threads start cold, the small v part
+// split two ways). Parts all of K kinds run as one parallel call; other mixes call block_linear per part.
+at::Tensor block_linear_parts(const at::Tensor& x, const std::vector<at::Tensor>& packed, const std::vector<int64_t>& kinds,
+                              const std::vector<int64_t>& out_features, const std::optional<at::Tensor>& bias,
+                              const std::string& path = "best");
 
 // A GGUF tensor's rows (uint8 [N, row bytes], as the file stores them) -> (packed, kind). Every weight is
 // kept exactly: no rounding happens here. ggml_type: the file's type id (Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7,

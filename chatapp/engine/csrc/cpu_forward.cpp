@@ -195,12 +195,7 @@ struct Linear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (parts.size() == 1) return block_linear(x, parts[0], part_kinds[0], part_outs[0], bias);
-    if (!parts.empty()) {  // e.g. q and k in Q4_K beside v in Q6_K (Q4_K_M files)
-      std::vector<at::Tensor> ys;
-      for (size_t i = 0; i < parts.size(); ++i) ys.push_back(block_linear(x, parts[i], part_kinds[i], part_outs[i], {}));
-      at::Tensor y = at::cat(ys, 1);
-      return bias.defined() ? y.add_(bias) : y;
-    }
+    if (!parts.empty()) return block_linear_parts(x, parts, part_kinds, part_outs, bias);  // e.g. Q4_K_M's qkv
     if (!packed) return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
     const int64_t rows = x.size(0), k = x.size(1), x_stride = x.stride(0);
     const int64_t n_out = static_cast<int64_t>(outliers.size());
@@ -468,6 +463,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_tables"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("block_linear", &block_linear, "x @ W^T with W in a packed block-quantized kind (CPU, float32)",
         py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("out_features"), py::arg("bias") = py::none(),
+        py::arg("path") = "best");
+  m.def("block_linear_parts", &block_linear_parts,
+        "block_linear of several packed parts, each of its own kind, their outputs side by side (one parallel call)",
+        py::arg("x"), py::arg("packed"), py::arg("kinds"), py::arg("out_features"), py::arg("bias") = py::none(),
         py::arg("path") = "best");
   m.def("block_linear_swiglu", &block_linear_swiglu,
         "block_linear of silu(gate) * up for gate_up = [gate | up], a kind of blocks of 32 (the same bits, fused)",

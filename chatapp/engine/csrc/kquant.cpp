@@ -758,18 +758,27 @@ void tile_loop(Avx2Loop, const SuperBlockActivations& a, int64_t rows, int64_t k
 
 }  // namespace
 
-void kquant_linear(const at::Tensor& x, const uint8_t* packed, int64_t tiles, int64_t kind, int64_t out_features,
-                   const float* bias, float* y, KernelPath path) {
+void kquant_linear_parts(const at::Tensor& x, const KQuantPart* parts, int64_t count, KernelPath path) {
   static thread_local SuperBlockActivations acts;
   quantize_superblock_rows(x, acts, path == kPathVnni);
   const SuperBlockActivations& a = acts;
   const int64_t rows = x.size(0), k = x.size(1);
+  int64_t tiles = 0;
+  for (int64_t i = 0; i < count; ++i) tiles += parts[i].tiles;
+  // The parts' tiles in a row, shared out as one projection's: [t0, t1) is cut where one part ends.
   for_tiles_balanced(tiles, [&](int64_t t0, int64_t t1) {
-    on_path(path, [&](auto loop) {
-      if (kind == kKindQ4K) tile_loop<kKindQ4K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
-      else if (kind == kKindQ5K) tile_loop<kKindQ5K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
-      else if (kind == kKindQ6K) tile_loop<kKindQ6K>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
-      else tile_loop<kKindIQ4X>(loop, a, rows, k, packed, t0, t1, y, out_features, bias);
-    });
+    int64_t first = 0;  // the part's first tile in the row
+    for (int64_t i = 0; i < count && t0 < t1; first += parts[i++].tiles) {
+      const KQuantPart& p = parts[i];
+      if (t0 >= first + p.tiles) continue;
+      const int64_t u0 = t0 - first, u1 = std::min(t1 - first, p.tiles);
+      on_path(path, [&](auto loop) {
+        if (p.kind == kKindQ4K) tile_loop<kKindQ4K>(loop, a, rows, k, p.packed, u0, u1, p.y, p.out_features, p.bias);
+        else if (p.kind == kKindQ5K) tile_loop<kKindQ5K>(loop, a, rows, k, p.packed, u0, u1, p.y, p.out_features, p.bias);
+        else if (p.kind == kKindQ6K) tile_loop<kKindQ6K>(loop, a, rows, k, p.packed, u0, u1, p.y, p.out_features, p.bias);
+        else tile_loop<kKindIQ4X>(loop, a, rows, k, p.packed, u0, u1, p.y, p.out_features, p.bias);
+      });
+      t0 = first + u1;
+    }
   });
 }
