@@ -142,7 +142,7 @@ class ArrayRunner:
         if not flat.sample_rows:
             return StepResult([], SamplerOutput([], []), time.perf_counter() - start, prompt_logprobs)
         sampled = [flat.requests[i] for i in flat.sample_rows]
-        logits = self.model.compute_logits(hidden[flat.logits_rows])
+        logits = self.model.compute_logits(flat.sampled_hidden(hidden))
         forward_seconds = time.perf_counter() - start
         return StepResult(sampled, self.sampler(logits, sampled), forward_seconds, prompt_logprobs)
 
