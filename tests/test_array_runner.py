@@ -371,3 +371,15 @@ def test_seeded_sampling_repeats_for_a_seed_and_differs_for_another(q4_k_m: Path
     assert sample(7) == first
     assert sample(7, PROMPTS[1]) == first
     assert sample(8) != first
+
+
+def test_a_one_row_lookup_is_a_view_and_any_other_the_index_arrays_rows() -> None:
+    from chatapp.engine.models.array_model import rows_of
+
+    table = np.arange(20, dtype=np.float32).reshape(5, 4)
+    one = rows_of(table, np.array([3]))
+    assert one.tolist() == [[12.0, 13.0, 14.0, 15.0]] and np.shares_memory(one, table)
+    assert rows_of(table, np.array([4, 0, 4])).tolist() == table[[4, 0, 4]].tolist()
+    assert rows_of(table, np.array([-1])).tolist() == table[[-1]].tolist()  # numpy's meaning, as before
+    with pytest.raises(IndexError):
+        rows_of(table, np.array([5]))

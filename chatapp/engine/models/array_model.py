@@ -23,6 +23,16 @@ from chatapp.engine.weight_packer import WeightPacker
 Tables = tuple[np.ndarray, np.ndarray]
 
 
+def rows_of(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """table[index] for a 1-D index; for one index in range, a view of its row. Why: a decode step's RoPE lookup
+    takes one row of each table, and an index array cost ~13 us a lookup there (numpy's code cold after the
+    weights have streamed through the caches: 40 -> 13 us a step for both tables), a slice next to nothing."""
+    if len(index) == 1 and 0 <= (i := int(index[0])) < len(table):
+        return table[i : i + 1]
+    picked: np.ndarray = table[index]
+    return picked
+
+
 class ArrayModel:
     """Token ids and positions of a flattened batch in, final hidden states and logits out."""
 
@@ -62,7 +72,7 @@ class ArrayModel:
         """(global, local) layers' (cos, signed_sin) [T, 1, rotary_dim] for a step's positions."""
 
         def lookup(tables: Tables) -> Tables:
-            return tables[0][positions][:, None, :], tables[1][positions][:, None, :]
+            return rows_of(tables[0], positions)[:, None, :], rows_of(tables[1], positions)[:, None, :]
 
         table = lookup(self._tables)
         return table, (table if self._local_tables is self._tables else lookup(self._local_tables))
