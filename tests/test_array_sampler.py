@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from chatapp.engine.array_sampler import ArraySampler, _apply_penalties, _candidates, _mask_out, token_logprobs
+from chatapp.engine.array_sampler import (
+    ArraySampler,
+    _apply_penalties,
+    _candidates,
+    _largest,
+    _mask_out,
+    token_logprobs,
+)
 from chatapp.engine.request import Request
 from chatapp.engine.sampler import Sampler, _top_k_top_p
 from chatapp.engine.sampler import _apply_penalties as _torch_penalties
@@ -198,6 +205,56 @@ def test_draws_stay_inside_the_top_k_and_the_nucleus(top_k: int, top_p: float, t
     seen = set(draws(row, 3000, top_k=top_k, top_p=top_p, temperature=temperature).tolist())
     assert seen <= inside
     assert len(seen) >= min(len(inside), 3)
+
+
+def vocabulary_rows() -> dict[str, np.ndarray]:
+    """Rows of a real vocabulary's size: spread logits, few distinct values (ties everywhere), a grammar's mask
+    (most tokens at -inf), a NaN among them."""
+    rng = np.random.default_rng(8)
+    spread = (rng.standard_normal(128_256) * 3).astype(np.float32)
+    masked = np.full(49_152, -np.inf, dtype=np.float32)
+    masked[rng.choice(49_152, 300, replace=False)] = rng.standard_normal(300).astype(np.float32)
+    with_nan = spread[:49_152].copy()
+    with_nan[[5, 40_000]] = np.nan
+    return {
+        "spread": spread,
+        "ties": rng.integers(0, 6, 49_152).astype(np.float32),
+        "masked": masked,
+        "nan": with_nan,
+    }
+
+
+@pytest.mark.parametrize("kind", ["spread", "ties", "masked", "nan"])
+def test_the_largest_values_are_argpartitions_whatever_the_row(kind: str) -> None:
+    """_largest (a sampled threshold, then a partition of what clears it) keeps the values np.argpartition keeps
+    over the whole row, ties and -inf included, for counts from 1 to past a sample's reach."""
+    row = vocabulary_rows()[kind]
+    for n in (1, 2, 40, 1024, 8192, 20_000):
+        got = _largest(row, n)
+        assert len(got) == n and len(set(got.tolist())) == n
+        expected = np.argpartition(-row, n - 1)[:n]
+        assert np.array_equal(np.sort(row[got]), np.sort(row[expected]), equal_nan=True), n
+
+
+def sorted_nucleus(row: np.ndarray, top_k: int, top_p: float) -> set[int]:
+    """The top-k/top-p rule by a full sort, in _candidates' own float steps (float32 weights, float64 sums): over
+    a 128k row torch's float32 sums can place the last token of a wide nucleus the other way."""
+    order = np.argsort(-row, kind="stable")[: top_k if top_k > 0 else len(row)]
+    if top_p >= 1.0:
+        return set(order.tolist())
+    peak = row.max()
+    above = np.cumsum(np.exp(row[order] - peak), dtype=np.float64) / np.exp(row - peak).sum(dtype=np.float64)
+    kept = max(1, int(np.count_nonzero(np.concatenate([[0.0], above[:-1]]) < top_p)))
+    return set(order[:kept].tolist())
+
+
+@pytest.mark.parametrize("top_k, top_p", [(40, 1.0), (40, 0.9), (-1, 0.9), (-1, 0.5), (500, 0.95), (-1, 0.999)])
+def test_a_full_vocabularys_nucleus_is_the_sorted_rules(top_k: int, top_p: float) -> None:
+    row = vocabulary_rows()["spread"] / np.float32(0.8)
+    got, expected = _candidates(row, top_k, top_p), sorted_nucleus(row, top_k, top_p)
+    assert len(set(got.tolist())) == len(got)
+    # which of the values tied at the cut are kept is unspecified: the kept values are not
+    assert np.array_equal(np.sort(row[got]), np.sort(row[sorted(expected)]))
 
 
 def test_top_p_is_measured_on_the_whole_row_as_in_torch() -> None:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 _NUCLEUS_WINDOW = 1024
 """Most likely tokens looked at first for top-p; a wider window (x8) only when the nucleus fills it."""
 _DRAW_BLOCK = 1024  # tokens per block of a draw's first level
+_SAMPLE_VALUES = 512  # values in the strided sample _largest takes its threshold from
 _SEED_MASK = 2**64 - 1  # torch.manual_seed's reading of a negative seed: the same 64 bits, unsigned
 
 
@@ -109,8 +110,29 @@ def _top_ids(values: np.ndarray, n: int) -> np.ndarray:
     """Indices of the ``n`` largest values, largest first (ties: lower index first)."""
     if n >= len(values):
         return np.argsort(-values, kind="stable")
-    top = np.argpartition(-values, n - 1)[:n]
+    top = _largest(values, n)
     return top[np.argsort(-values[top], kind="stable")]
+
+
+def _largest(values: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the ``n`` largest values (1 <= n < len), in no set order; of values tied with the n-th largest,
+    which are kept is unspecified (as with np.argpartition).
+
+    Why not np.argpartition over the whole row: ~14 ns a value here, 0.7 ms over a 49k vocabulary and 1.9 ms over
+    128k, every sampled step of a request with top-k or top-p. A threshold taken from a strided sample of ~512
+    values leaves a few hundred candidates (every value at or above it, so the n largest among them when there
+    are at least n), found and partitioned in tens of microseconds; a threshold that leaves fewer (or a NaN)
+    falls back to the whole row."""
+    step = len(values) // _SAMPLE_VALUES
+    if step >= 4 and n * 8 < len(values):
+        sample = values[::step]
+        rank = min(len(sample), 2 * (n // step) + 8)  # ~2x the sample's expected share of the n, and a margin
+        threshold = np.partition(sample, len(sample) - rank)[len(sample) - rank]
+        candidates = np.flatnonzero(values >= threshold)
+        if len(candidates) >= n:
+            picked: np.ndarray = candidates[np.argpartition(-values[candidates], n - 1)[:n]]
+            return picked
+    return np.argpartition(-values, n - 1)[:n]
 
 
 def token_logprobs(logits: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
@@ -153,11 +175,11 @@ def _candidates(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None:
 
     As in the torch Sampler: the nucleus is measured on the whole row's softmax (not renormalised
     after top-k), a token goes when the mass ranked above it reaches ``top_p``, and the most likely
-    token always stays. Only values are sorted, and first only the top ``_NUCLEUS_WINDOW`` of them:
-    over 256k logits an argsort took ~4 ms here (a stable one ~28 ms), a partition ~0.5 ms."""
+    token always stays. Only values are sorted, and first only the top ``_NUCLEUS_WINDOW`` of them (found by
+    ``_largest``): over 256k logits an argsort took ~4 ms here (a stable one ~28 ms)."""
     vocab = len(row)
     k = vocab if top_k <= 0 else min(top_k, vocab)
-    pool = None if k >= vocab else np.argpartition(-row, k - 1)[:k]
+    pool = None if k >= vocab else _largest(row, k)
     if top_p >= 1.0:
         return pool
     values = row if pool is None else row[pool]
@@ -165,7 +187,7 @@ def _candidates(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None:
     total = np.exp(row - peak).sum(dtype=np.float64)
     width = min(k, _NUCLEUS_WINDOW)
     while True:
-        top = values if width >= k else -np.partition(-values, width - 1)[:width]
+        top = values if width >= k else values[_largest(values, width)]
         top = np.sort(top)[::-1]
         above = np.cumsum(np.exp(top - peak), dtype=np.float64) / total
         above[1:] = above[:-1].copy()  # the mass ranked above each token: nondecreasing, so kept is a prefix
@@ -176,9 +198,10 @@ def _candidates(row: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None:
         width = min(k, width * 8)
     # The kept tokens are those above the last one's logit, and as many tokens tied with it as fit.
     cut = top[kept - 1]
-    ids = np.arange(vocab) if pool is None else pool
-    tied = ids[values == cut]
-    above_cut = ids[values > cut]
+    if pool is None:
+        tied, above_cut = np.flatnonzero(values == cut), np.flatnonzero(values > cut)
+    else:
+        tied, above_cut = pool[values == cut], pool[values > cut]
     return np.concatenate([above_cut, tied[: kept - len(above_cut)]])
 
 
