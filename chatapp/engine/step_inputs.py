@@ -121,9 +121,9 @@ class FlatBatch:
     block_tables: np.ndarray  # int32 [R, max blocks]
     num_decodes: int
     sample_rows: list[int]  # requests (in this order) whose last row is sampled
+    logits_row_list: list[int]  # each sampled request's last row, increasing
     # (request, its first row, the first prompt position scored, the prompt tokens scored)
     prompt_rows: list[tuple[Request, int, int, list[int]]] = field(default_factory=list)
-    logits_row_list: list[int] = field(default_factory=list)  # each sampled request's last row, increasing
 
     @property
     def logits_rows(self) -> np.ndarray:
@@ -187,8 +187,8 @@ def flatten_batch(batch: ScheduledBatch, block_ids: dict[str, list[int]], block_
         block_tables=np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32),
         num_decodes=sum(1 for q in q_lens if q == 1),
         sample_rows=sample_rows,
-        prompt_rows=prompt_rows,
         logits_row_list=[query_start[i + 1] - 1 for i in sample_rows],
+        prompt_rows=prompt_rows,
     )
 
 
