@@ -8,7 +8,7 @@ each engine once, in a fresh process, in turn (the order reversed every other ro
 medians are compared.
 
     LLAMA_BENCH=/path/llama-bench IK_LLAMA_BENCH=/path/ik/llama-bench \
-        python benchmarks/decode_alternated.py FILE.gguf [--rounds 4] [--test tg128|pp512|batched8]
+        python benchmarks/decode_alternated.py FILE.gguf [--rounds 4] [--test tg128|tg128-d1024|pp512|batched8]
 
 Ours runs as an engine does once it has loaded: its packed weights moved into 2 MB pages, which it does
 in the background ~1 s after loading (huge_pages.py); the script waits for that before its warm-up.
@@ -17,6 +17,10 @@ in the background ~1 s after loading (huge_pages.py); the script waits for that 
 tg128 (decode). Ours: the 128 tokens after the first of a greedy answer (`ignore_eos`), through
 `LLM`. Theirs: `llama-bench -p 0 -n 128 -r 1` (llama.cpp with `-fa 1`, ik_llama.cpp with
 `-fa 0 -rtr 1`).
+tg128-d1024 (decode at depth). The same 128 tokens after a 1,024-token context (random token ids, none
+cached): a chat's later turns decode there, and attention, which tg128's short context hardly asks for,
+reads every earlier token's keys and values in every layer. Theirs: llama.cpp `llama-bench -p 0 -n 128 -d 1024`,
+ik_llama.cpp `llama-bench -gp 1024,128` (its name for the same test); each reports the 128 tokens' rate.
 pp512 (prompt processing). Ours: a 512-token prompt (random token ids, none cached) to its first
 token, the mean of two after a warm-up prompt of 512. Theirs: `llama-bench -p 512 -n 0 -r 2`, which
 likewise warms up with one 512-token run and reports the mean of two (llama.cpp `-fa 1`, ik_llama.cpp
@@ -63,6 +67,21 @@ print(json.dumps({"tps": 128 / (time.perf_counter() - start - out.metrics["ttft_
 """
 
 
+_OURS_DEPTH = r"""
+import json, random, sys, time
+from chatapp.engine import LLM, SamplingParams
+from chatapp.engine.huge_pages import wait_for_collapses
+llm = LLM(sys.argv[1], kv_cache_memory_gib=0.5, huge_pages=sys.argv[2] == "huge")
+wait_for_collapses(120)  # the weights as a running engine holds them, ~1 s after loading
+greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+llm.generate(["warm up"], greedy(8))
+rng = random.Random(0)
+context = [rng.randrange(1000, 20000) for _ in range(1024)]  # ordinary tokens, none cached
+start = time.perf_counter()
+out = llm.generate([context], greedy(129))[0]
+print(json.dumps({"tps": 128 / (time.perf_counter() - start - out.metrics["ttft_s"])}))
+"""
+
 _OURS_PROMPT = r"""
 import json, random, sys, time
 from chatapp.engine import LLM, SamplingParams
@@ -99,14 +118,24 @@ for run in range(2):  # new prompts each run (no prefix-cache hits)
 print(json.dumps({"tps": best}))
 """
 
-# Per test: our script, the baselines' tool (llama-bench or llama-batched-bench) and its arguments, and each
-# baseline's flag sets: the first is the one found best on the machines measured so far; `--all-flags` runs every
-# one and compares against the fastest (which set wins moves with the CPU and the file).
-TESTS = {
+# Per test: our script, the baselines' tool (llama-bench or llama-batched-bench) and its arguments (one list for both,
+# or llama.cpp's and ik_llama.cpp's where they differ), and each baseline's flag sets: the first is the one found best
+# on the machines measured so far; `--all-flags` runs every one and compares against the fastest (which set wins moves
+# with the CPU and the file).
+TESTS: dict[str, tuple[str, str, list[str] | tuple[list[str], list[str]], list[list[str]], list[list[str]]]] = {
     "tg128": (
         _OURS,
         "bench",
         ["-p", "0", "-n", "128", "-r", "1"],
+        [["-fa", "1"], ["-fa", "0"]],
+        [["-fa", "0", "-rtr", "1"], ["-fa", "1", "-rtr", "0"], ["-fa", "0", "-rtr", "0"], ["-fa", "1", "-rtr", "1"]],
+    ),
+    # decode after a 1,024-token context, as a chat's later turns run: llama.cpp's depth (-d), ik_llama.cpp's
+    # "generate after prompt" (-gp), both reporting the 128 generated tokens' rate alone
+    "tg128-d1024": (
+        _OURS_DEPTH,
+        "bench",
+        (["-p", "0", "-n", "128", "-d", "1024", "-r", "1"], ["-p", "0", "-n", "0", "-gp", "1024,128", "-r", "1"]),
         [["-fa", "1"], ["-fa", "0"]],
         [["-fa", "0", "-rtr", "1"], ["-fa", "1", "-rtr", "0"], ["-fa", "0", "-rtr", "0"], ["-fa", "1", "-rtr", "1"]],
     ),
@@ -182,17 +211,21 @@ def main() -> None:
     )
     args = parser.parse_args()
     script, tool, test, mainline_flags, ik_flags = TESTS[args.test]
+    mainline_test, ik_test = test if isinstance(test, tuple) else (test, test)
     run_tool, variable = (llama_bench, "LLAMA_BENCH") if tool == "bench" else (batched_bench, "LLAMA_BATCHED_BENCH")
     engines: list[tuple[str, Callable[[], float]]] = [("ours", lambda: ours(args.file, script))]
     if args.small_pages:
         engines.append(("ours, 4 KB pages", lambda: ours(args.file, script, "small")))
-    for name, prefix, flag_sets in (("llama.cpp", "", mainline_flags), ("ik_llama.cpp", "IK_", ik_flags)):
+    baselines = (("llama.cpp", "", mainline_test, mainline_flags), ("ik_llama.cpp", "IK_", ik_test, ik_flags))
+    for name, prefix, what, flag_sets in baselines:
         binary = os.environ.get(prefix + variable)
         if not binary:
             continue
         for flags in flag_sets if args.all_flags else flag_sets[:1]:
             label = f"{name} {' '.join(flags)}" if args.all_flags else name
-            engines.append((label, lambda binary=binary, flags=flags: run_tool(binary, args.file, test, flags)))
+            engines.append(
+                (label, lambda binary=binary, what=what, flags=flags: run_tool(binary, args.file, what, flags))
+            )
     results: dict[str, list[float]] = {name: [] for name, _ in engines}
     for round_ in range(args.rounds):
         for name, run in engines if round_ % 2 == 0 else engines[::-1]:
