@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cpuid.h>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -76,16 +77,53 @@ inline bool decode_batches_in_pairs() {
   return intel;
 }
 
+// How the VNNI loop of one row over blocks of 32 (block_quant.cpp tile_loop_one_row: Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0 and IQ4_NL in a decode step) fetches the blocks ahead: into L2 (prefetcht1, 24 blocks on), as every other
+// loop does, or non-temporally (prefetchnta, 16 blocks on: into L1, marked to leave first). Same bits either way;
+// the faster differs by CPU:
+// - on the AMD EPYC Zen 4 of sessions 33-38 (family 25, 2 cores) the non-temporal fetch streams faster:
+//   alternated A/B, a 1B file's projections, one row: Q8_0 +4-12% on two threads, +30% on one; Q4_0 +10% and
+//   +24%; decode in the engine (128 tokens, 12 pairs): Q8_0 time x0.864, Q4_0 x0.883. The K-quant one-row loop
+//   lost 14-35% fetching into L1 (prefetcht0 or nta, 1-8 super-blocks on), so it keeps prefetcht1;
+// - on the Zen 5 and Intel CPUs of earlier sessions prefetcht1 was measured against no prefetch, never against
+//   prefetchnta, so they keep it until someone measures there (benchmarks: set_block_decode_prefetch).
+// kAuto takes prefetchnta on AMD family 25 (Zen 4 is the only one there with AVX-512 VNNI, which the loop needs)
+// and prefetcht1 elsewhere; set_block_decode_prefetch() overrides it (tests run both).
+enum class BlockDecodePrefetch : int { kAuto = 0, kT1 = 1, kNta = 2 };
+
+inline std::atomic<int>& block_decode_prefetch_setting() {
+  static std::atomic<int> setting{static_cast<int>(BlockDecodePrefetch::kAuto)};
+  return setting;
+}
+
+// Whether this process runs on an AMD CPU of family 25 (0x19: Zen 3 and Zen 4).
+inline bool amd_family_25() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  const unsigned base = (eax >> 8) & 0xF, family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+  return (__builtin_cpu_init(), __builtin_cpu_is("amd")) && family == 25;
+}
+
+// Whether the one-row loop over blocks of 32 fetches non-temporally now (the setting, kAuto resolved by CPU).
+inline bool block_decode_prefetches_nta() {
+  const auto setting =
+      static_cast<BlockDecodePrefetch>(block_decode_prefetch_setting().load(std::memory_order_relaxed));
+  if (setting != BlockDecodePrefetch::kAuto) return setting == BlockDecodePrefetch::kNta;
+  static const bool zen4 = amd_family_25();
+  return zen4;
+}
+
 // fn(blk, b) for blocks [0, blocks) of one tile, kBlockBytes each. Where fetch holds (and ahead > 0: 0 leaves
-// fetching to fn), each block first prefetches the one `ahead` blocks on into L2: tiles follow one another
-// in memory, so DRAM latency hides behind the dots (a tile's last blocks fetch the next tile's first ones).
-template <int64_t kBlockBytes, class Fn>
+// fetching to fn), each block first prefetches the one `ahead` blocks on, with kHint (into L2 unless a loop
+// says why not): tiles follow one another in memory, so DRAM latency hides behind the dots (a tile's last
+// blocks fetch the next tile's first ones).
+template <int64_t kBlockBytes, int kHint = _MM_HINT_T1, class Fn>
 CHATAPP_INLINE inline void for_each_block(const uint8_t* tile, int64_t blocks, int64_t ahead, bool fetch, Fn&& fn) {
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = tile + b * kBlockBytes;
     if (fetch && ahead > 0)
       for (int64_t off = 0; off < kBlockBytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * kBlockBytes + off), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(blk + ahead * kBlockBytes + off), static_cast<_mm_hint>(kHint));
     fn(blk, b);
   }
 }
