@@ -165,15 +165,15 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
     assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
     for path in ext.block_quant_paths():
         assert torch.equal(ext.block_linear(x, packed, kind, n, bias, path=path), y), path
-        # one row (a decode step) fetching ahead either way the VNNI loop can (tile_walk.h: BlockDecodePrefetch)
+        # one row (a decode step) fetching ahead either way the VNNI loop can (tile_walk.h: DecodePrefetch)
         for prefetch in ("t1", "nta"):
-            ext.set_block_decode_prefetch(prefetch)
+            ext.set_decode_prefetch(prefetch)
             try:
                 for i in (0, 3, 69):
                     got = ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias, path=path)[0]
                     assert torch.equal(got, y[i]), (path, prefetch, i)
             finally:
-                ext.set_block_decode_prefetch("auto")
+                ext.set_decode_prefetch("auto")
         # an odd number of rows in the last pass (the batched loops take rows 8 at a time, then 4, 2 and 1)
         assert torch.equal(ext.block_linear(x[:69], packed, kind, n, bias, path=path), y[:69]), path
         # decode batches: 2-8 rows run either the rows loops (sums in registers) or the pair loops (tile_walk.h)
@@ -207,22 +207,22 @@ def test_decode_batches_take_the_pair_loops_on_intel_and_the_rows_loops_elsewher
     assert ext.decode_batch_loop() == ("pairs" if vendor == "GenuineIntel" else "rows")
 
 
-def test_one_row_of_blocks_fetches_non_temporally_on_amd_family_25_only(ext) -> None:
+def test_one_row_loops_fetch_non_temporally_on_amd_family_25_only(ext) -> None:
     """auto: prefetchnta where it was measured faster (Zen 4), prefetcht1 elsewhere (tile_walk.h); an override
     holds until reset."""
     lines = [line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line]
     fields = {key.strip(): value.strip() for key, value in lines}
     amd_25 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
-    assert ext.block_decode_prefetch() == ("nta" if amd_25 else "t1")
+    assert ext.decode_prefetch() == ("nta" if amd_25 else "t1")
     try:
         for setting in ("t1", "nta"):
-            ext.set_block_decode_prefetch(setting)
-            assert ext.block_decode_prefetch() == setting
-        with pytest.raises(RuntimeError, match="unknown block decode prefetch 't0'"):
-            ext.set_block_decode_prefetch("t0")
+            ext.set_decode_prefetch(setting)
+            assert ext.decode_prefetch() == setting
+        with pytest.raises(RuntimeError, match="unknown decode prefetch 't0'"):
+            ext.set_decode_prefetch("t0")
     finally:
-        ext.set_block_decode_prefetch("auto")
-    assert ext.block_decode_prefetch() == ("nta" if amd_25 else "t1")
+        ext.set_decode_prefetch("auto")
+    assert ext.decode_prefetch() == ("nta" if amd_25 else "t1")
 
 
 # K-quant blocks with every code and scale at its largest: (block bytes, where d sits, the bytes of codes and
@@ -466,15 +466,8 @@ def test_float_rows_compute_the_exact_weights_product(ext, type_name: str) -> No
     assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
     for path in ext.block_quant_paths():
         assert torch.equal(ext.block_linear(x, packed, kind, n, bias, path=path), y), path
-        # one row (a decode step) fetching ahead either way the VNNI loop can (tile_walk.h: BlockDecodePrefetch)
-        for prefetch in ("t1", "nta"):
-            ext.set_block_decode_prefetch(prefetch)
-            try:
-                for i in (0, 3, 69):
-                    got = ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias, path=path)[0]
-                    assert torch.equal(got, y[i]), (path, prefetch, i)
-            finally:
-                ext.set_block_decode_prefetch("auto")
+        for i in (0, 3, 69):
+            assert torch.equal(ext.block_linear(x[i : i + 1].clone(), packed, kind, n, bias, path=path)[0], y[i])
         for rows in range(2, 14):  # the vector loops take rows 4 (or 2) at a time, then 2 and 1
             assert torch.equal(ext.block_linear(x[:rows], packed, kind, n, bias, path=path), y[:rows]), (path, rows)
     strided = torch.zeros(70, k + 64)[:, :k]

@@ -336,7 +336,7 @@ void tile_loop_rows(const QuantizedActivations& a, int64_t k, const uint8_t* pac
 // loop below, one row kept its sums in L1 and spilled a register of codes per block; its few extra instructions
 // a block cost ~5% of a 1B Q8_0 model's decode, which is limited by how far the core runs ahead of memory. The
 // float steps are the general loop's, in its order: same bits. Blocks kAhead on are fetched with kHint
-// (tile_walk.h's BlockDecodePrefetch says which, by CPU).
+// (tile_walk.h's DecodePrefetch says which, by CPU).
 template <int kKind, int kHint, int64_t kAhead>
 void tile_loop_one_row(const QuantizedActivations& a, int64_t k, const uint8_t* packed, int64_t t0, int64_t t1,
                        float* y, int64_t n_out, const float* bias) {
@@ -457,7 +457,7 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
   // A decode batch runs the rows loop unless this CPU streams faster through the pair loop (tile_walk.h).
   switch (rows > 1 && rows <= 8 && decode_batches_in_pairs() ? int64_t{0} : rows) {
     case 1:
-      if (block_decode_prefetches_nta())
+      if (decode_prefetches_nta())
         return tile_loop_one_row<kKind, _MM_HINT_NTA, 16>(a, k, packed, t0, t1, y, n_out, bias);
       return tile_loop_one_row<kKind, _MM_HINT_T1, 24>(a, k, packed, t0, t1, y, n_out, bias);
     case 2: return tile_loop_rows<kKind, 2>(a, k, packed, t0, t1, y, n_out, bias);
@@ -640,16 +640,16 @@ void set_decode_batch_loop(const std::string& name) {
 
 std::string decode_batch_loop() { return decode_batches_in_pairs() ? "pairs" : "rows"; }
 
-void set_block_decode_prefetch(const std::string& name) {
-  TORCH_CHECK(name == "auto" || name == "t1" || name == "nta", "unknown block decode prefetch '", name,
+void set_decode_prefetch(const std::string& name) {
+  TORCH_CHECK(name == "auto" || name == "t1" || name == "nta", "unknown decode prefetch '", name,
               "' (auto, t1 or nta)");
-  const BlockDecodePrefetch setting = name == "t1"    ? BlockDecodePrefetch::kT1
-                                      : name == "nta" ? BlockDecodePrefetch::kNta
-                                                      : BlockDecodePrefetch::kAuto;
-  block_decode_prefetch_setting().store(static_cast<int>(setting), std::memory_order_relaxed);
+  const DecodePrefetch setting = name == "t1"    ? DecodePrefetch::kT1
+                                      : name == "nta" ? DecodePrefetch::kNta
+                                                      : DecodePrefetch::kAuto;
+  decode_prefetch_setting().store(static_cast<int>(setting), std::memory_order_relaxed);
 }
 
-std::string block_decode_prefetch() { return block_decode_prefetches_nta() ? "nta" : "t1"; }
+std::string decode_prefetch() { return decode_prefetches_nta() ? "nta" : "t1"; }
 
 KernelPath kernel_path(const std::string& name) {
   if (name == "best") return kHasVnni ? kPathVnni : kHasAvx2 ? kPathAvx2 : kPathPortable;

@@ -53,11 +53,11 @@ std::vector<std::string> block_quant_paths();
 // "auto" (chosen by CPU), "rows" or "pairs". decode_batch_loop() says which runs now: "rows" or "pairs".
 void set_decode_batch_loop(const std::string& name);
 std::string decode_batch_loop();
-// How the VNNI loop of one row over blocks of 32 (a decode step of Q4_0, Q8_0, ...) fetches the blocks ahead
-// (same bits either way; tile_walk.h says why there are two): "auto" (chosen by CPU), "t1" (into L2) or "nta"
-// (non-temporally). block_decode_prefetch() says which holds now: "t1" or "nta".
-void set_block_decode_prefetch(const std::string& name);
-std::string block_decode_prefetch();
+// How the VNNI one-row loops (a decode step) fetch the weights ahead (same bits either way; tile_walk.h says
+// why there are two): "auto" (chosen by CPU), "t1" (into L2) or "nta" (non-temporally as well or instead).
+// decode_prefetch() says which holds now: "t1" or "nta".
+void set_decode_prefetch(const std::string& name);
+std::string decode_prefetch();
 
 // y [M, out_features] = x [M, K] @ W^T (+ bias); packed: uint8 [tiles, K / block, tile bytes] (the float rows
 // kinds: uint8 [N, 2 K]). Every row is

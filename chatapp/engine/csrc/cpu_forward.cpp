@@ -480,11 +480,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_decode_batch_loop", &set_decode_batch_loop,
         "the VNNI loop decode batches of 2-8 rows run: auto (by CPU), rows or pairs (the same bits)", py::arg("name"));
   m.def("decode_batch_loop", &decode_batch_loop, "the VNNI loop decode batches of 2-8 rows run now: rows or pairs");
-  m.def("set_block_decode_prefetch", &set_block_decode_prefetch,
-        "how the VNNI loop of one row over blocks of 32 fetches ahead: auto (by CPU), t1 or nta (the same bits)",
+  m.def("set_decode_prefetch", &set_decode_prefetch,
+        "how the VNNI one-row loops fetch weights ahead: auto (by CPU), t1 or nta (the same bits)",
         py::arg("name"));
-  m.def("block_decode_prefetch", &block_decode_prefetch,
-        "how the VNNI loop of one row over blocks of 32 fetches ahead now: t1 or nta");
+  m.def("decode_prefetch", &decode_prefetch,
+        "how the VNNI one-row loops fetch weights ahead now: t1 or nta");
   m.def("dequantizes_gguf_rows", &dequantizes_gguf_rows, "whether dequantize_gguf_rows takes a GGUF type",
         py::arg("ggml_type"));
   m.def(

@@ -354,6 +354,16 @@ CHATAPP_INLINE inline void prefetch_share(const uint8_t* blk, int64_t g) {
   prefetch_share_of<kKind>(blk + kDistance * layout_of(kKind).tile_bytes, g);
 }
 
+// Group g's eighth of the cache lines half a super-block after blk, fetched non-temporally (into L1, marked to
+// leave first): the one-row loop's second fetch where the CPU streams faster so (tile_walk.h's DecodePrefetch).
+template <int64_t kKind>
+CHATAPP_INLINE inline void prefetch_share_near(const uint8_t* blk, int64_t g) {
+  constexpr int64_t kLines = (layout_of(kKind).tile_bytes + 63) / 64, kPerGroup = (kLines + 7) / 8;
+  const uint8_t* next = blk + layout_of(kKind).tile_bytes / 2;
+  for (int64_t line = g * kPerGroup; line < std::min(kLines, (g + 1) * kPerGroup); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_NTA);
+}
+
 template <int64_t kKind>
 CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m512& dmin) {
   constexpr KindLayout L = layout_of(kKind);
@@ -363,10 +373,11 @@ CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m5
 }
 
 // One row (a decode step) against tiles [t0, t1): the super-block sums stay in registers, and the bytes
-// a few super-blocks ahead are prefetched, a share per group (the tiles sit one after another in memory).
+// a few super-blocks ahead are prefetched, a share per group (the tiles sit one after another in memory);
+// with kNear, also the bytes half a super-block ahead, non-temporally (tile_walk.h's DecodePrefetch says where).
 // The same integer sums and the same float steps in the same order as the batched loop below: rows agree
 // to the bit.
-template <int64_t kKind>
+template <int64_t kKind, bool kNear>
 void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, const uint8_t* packed, int64_t t0,
                         int64_t t1, float* y, int64_t n_out, const float* bias) {
   constexpr KindLayout L = layout_of(kKind);
@@ -379,6 +390,7 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
       __m512 fsum = _mm512_setzero_ps();
       for (int64_t g = 0; g < 8; ++g) {
         prefetch_share<kKind>(blk, g);
+        if constexpr (kNear) prefetch_share_near<kKind>(blk, g);
         if constexpr (kKind == kKindQ4K) {
           const __m512i dot = q4k_group_one_row(blk, g, xq + 32 * g);
           fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), group_scales<kKind>(blk, g), fsum);
@@ -557,7 +569,10 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
   const int64_t blocks = k / kSuperBlock;
   alignas(64) float acc[kRows * kQuantTile];
   alignas(64) float fsum[kRows * kQuantTile];
-  if (rows == 1) return tiles_one_row_vnni<kKind>(a, 0, k, packed, t0, t1, y, n_out, bias);
+  if (rows == 1) {
+    if (decode_prefetches_nta()) return tiles_one_row_vnni<kKind, true>(a, 0, k, packed, t0, t1, y, n_out, bias);
+    return tiles_one_row_vnni<kKind, false>(a, 0, k, packed, t0, t1, y, n_out, bias);
+  }
   // A decode batch runs the rows loop unless this CPU streams faster through the pair loop (tile_walk.h).
   switch (rows <= 8 && decode_batches_in_pairs() ? int64_t{0} : rows) {
     case 2: return tiles_rows_vnni<kKind, 2>(a, k, packed, t0, t1, y, n_out, bias);

@@ -77,22 +77,24 @@ inline bool decode_batches_in_pairs() {
   return intel;
 }
 
-// How the VNNI loop of one row over blocks of 32 (block_quant.cpp tile_loop_one_row: Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0 and IQ4_NL in a decode step) fetches the blocks ahead: into L2 (prefetcht1, 24 blocks on), as every other
-// loop does, or non-temporally (prefetchnta, 16 blocks on: into L1, marked to leave first). Same bits either way;
-// the faster differs by CPU:
-// - on the AMD EPYC Zen 4 of sessions 33-38 (family 25, 2 cores) the non-temporal fetch streams faster:
-//   alternated A/B, a 1B file's projections, one row: Q8_0 +4-12% on two threads, +30% on one; Q4_0 +10% and
-//   +24%; decode in the engine (128 tokens, 12 pairs): Q8_0 time x0.864, Q4_0 x0.883. The K-quant one-row loop
-//   lost 14-35% fetching into L1 (prefetcht0 or nta, 1-8 super-blocks on), so it keeps prefetcht1;
+// How the VNNI one-row loops (a decode step) fetch the weights ahead. "t1": into L2 (prefetcht1), as every
+// other loop does: blocks of 32 (block_quant.cpp tile_loop_one_row: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) 24
+// blocks on, K-quants (kquant.cpp tiles_one_row_vnni) 8 super-blocks on. "nta": non-temporally (prefetchnta:
+// into L1, marked to leave first): blocks of 32 16 blocks on instead; K-quants half a super-block on as well as
+// their prefetcht1 8 on. Same bits either way; the faster differs by CPU:
+// - on the AMD EPYC Zen 4 of sessions 33-38 (family 25, 2 cores) "nta" streams faster. Alternated A/B, a 1B
+//   file's projections, one row: Q8_0 +4-12% on two threads, +30% on one; Q4_0 +10% and +24%; Q4_K +5-8% and
+//   +13%, Q6_K +5%. Decode in the engine (128 tokens, 10-12 pairs): Q8_0 time x0.86-0.90, Q4_0 x0.88-0.98.
+//   What lost there: the K-quant loop fetching into L1 alone (prefetcht0 or nta, 1-8 super-blocks on: -14-35%),
+//   blocks of 32 fetching both ways (-10-25%), and the decode batches' loops of 8 rows fetching into L1 (-6-42%);
 // - on the Zen 5 and Intel CPUs of earlier sessions prefetcht1 was measured against no prefetch, never against
-//   prefetchnta, so they keep it until someone measures there (benchmarks: set_block_decode_prefetch).
-// kAuto takes prefetchnta on AMD family 25 (Zen 4 is the only one there with AVX-512 VNNI, which the loop needs)
-// and prefetcht1 elsewhere; set_block_decode_prefetch() overrides it (tests run both).
-enum class BlockDecodePrefetch : int { kAuto = 0, kT1 = 1, kNta = 2 };
+//   prefetchnta, so they keep "t1" until someone measures there (benchmarks: set_decode_prefetch).
+// kAuto takes "nta" on AMD family 25 (Zen 4 is the only one there with AVX-512 VNNI, which the loops need) and
+// "t1" elsewhere; set_decode_prefetch() overrides it (tests run both).
+enum class DecodePrefetch : int { kAuto = 0, kT1 = 1, kNta = 2 };
 
-inline std::atomic<int>& block_decode_prefetch_setting() {
-  static std::atomic<int> setting{static_cast<int>(BlockDecodePrefetch::kAuto)};
+inline std::atomic<int>& decode_prefetch_setting() {
+  static std::atomic<int> setting{static_cast<int>(DecodePrefetch::kAuto)};
   return setting;
 }
 
@@ -104,11 +106,11 @@ inline bool amd_family_25() {
   return (__builtin_cpu_init(), __builtin_cpu_is("amd")) && family == 25;
 }
 
-// Whether the one-row loop over blocks of 32 fetches non-temporally now (the setting, kAuto resolved by CPU).
-inline bool block_decode_prefetches_nta() {
+// Whether the one-row loops fetch non-temporally now (the setting, kAuto resolved by CPU).
+inline bool decode_prefetches_nta() {
   const auto setting =
-      static_cast<BlockDecodePrefetch>(block_decode_prefetch_setting().load(std::memory_order_relaxed));
-  if (setting != BlockDecodePrefetch::kAuto) return setting == BlockDecodePrefetch::kNta;
+      static_cast<DecodePrefetch>(decode_prefetch_setting().load(std::memory_order_relaxed));
+  if (setting != DecodePrefetch::kAuto) return setting == DecodePrefetch::kNta;
   static const bool zen4 = amd_family_25();
   return zen4;
 }
