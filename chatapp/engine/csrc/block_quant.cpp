@@ -644,8 +644,8 @@ void set_decode_prefetch(const std::string& name) {
   TORCH_CHECK(name == "auto" || name == "t1" || name == "nta", "unknown decode prefetch '", name,
               "' (auto, t1 or nta)");
   const DecodePrefetch setting = name == "t1"    ? DecodePrefetch::kT1
-                                      : name == "nta" ? DecodePrefetch::kNta
-                                                      : DecodePrefetch::kAuto;
+                                 : name == "nta" ? DecodePrefetch::kNta
+                                                 : DecodePrefetch::kAuto;
   decode_prefetch_setting().store(static_cast<int>(setting), std::memory_order_relaxed);
 }
 

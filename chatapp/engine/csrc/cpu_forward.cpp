@@ -483,8 +483,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_decode_prefetch", &set_decode_prefetch,
         "how the VNNI one-row loops fetch weights ahead: auto (by CPU), t1 or nta (the same bits)",
         py::arg("name"));
-  m.def("decode_prefetch", &decode_prefetch,
-        "how the VNNI one-row loops fetch weights ahead now: t1 or nta");
+  m.def("decode_prefetch", &decode_prefetch, "how the VNNI one-row loops fetch weights ahead now: t1 or nta");
   m.def("dequantizes_gguf_rows", &dequantizes_gguf_rows, "whether dequantize_gguf_rows takes a GGUF type",
         py::arg("ggml_type"));
   m.def(

@@ -341,12 +341,12 @@ constexpr int64_t kAheadBatched = 6;
 // buffers and stalled it (perf put a quarter of the 8-way loop's samples on the prefetches), so reading
 // and computing ran one after the other. Spread, they overlap: alternated A/B over 390 MB of weights, one
 // row Q4_K +18% / Q6_K +15%, 8 rows +24% / +19%, 512 rows flat; same bits.
-// Group g's share of the lines of the super-block at `next`, into L2.
-template <int64_t kKind>
+// Group g's share of the lines of the super-block at `next`, into L2 (or as kHint says).
+template <int64_t kKind, int kHint = _MM_HINT_T1>
 CHATAPP_INLINE inline void prefetch_share_of(const uint8_t* next, int64_t g) {
   constexpr int64_t kLines = (layout_of(kKind).tile_bytes + 63) / 64, kPerGroup = (kLines + 7) / 8;
   for (int64_t line = g * kPerGroup; line < std::min(kLines, (g + 1) * kPerGroup); ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), static_cast<_mm_hint>(kHint));
 }
 
 template <int64_t kKind, int64_t kDistance = kAhead>
@@ -358,10 +358,7 @@ CHATAPP_INLINE inline void prefetch_share(const uint8_t* blk, int64_t g) {
 // leave first): the one-row loop's second fetch where the CPU streams faster so (tile_walk.h's DecodePrefetch).
 template <int64_t kKind>
 CHATAPP_INLINE inline void prefetch_share_near(const uint8_t* blk, int64_t g) {
-  constexpr int64_t kLines = (layout_of(kKind).tile_bytes + 63) / 64, kPerGroup = (kLines + 7) / 8;
-  const uint8_t* next = blk + layout_of(kKind).tile_bytes / 2;
-  for (int64_t line = g * kPerGroup; line < std::min(kLines, (g + 1) * kPerGroup); ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_NTA);
+  prefetch_share_of<kKind, _MM_HINT_NTA>(blk + layout_of(kKind).tile_bytes / 2, g);
 }
 
 template <int64_t kKind>

@@ -108,8 +108,7 @@ inline bool amd_family_25() {
 
 // Whether the one-row loops fetch non-temporally now (the setting, kAuto resolved by CPU).
 inline bool decode_prefetches_nta() {
-  const auto setting =
-      static_cast<DecodePrefetch>(decode_prefetch_setting().load(std::memory_order_relaxed));
+  const auto setting = static_cast<DecodePrefetch>(decode_prefetch_setting().load(std::memory_order_relaxed));
   if (setting != DecodePrefetch::kAuto) return setting == DecodePrefetch::kNta;
   static const bool zen4 = amd_family_25();
   return zen4;
