@@ -80,13 +80,15 @@ inline bool decode_batches_in_pairs() {
 // How the VNNI one-row loops (a decode step) fetch the weights ahead. "t1": into L2 (prefetcht1), as every
 // other loop does: blocks of 32 (block_quant.cpp tile_loop_one_row: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) 24
 // blocks on, K-quants (kquant.cpp tiles_one_row_vnni) 8 super-blocks on. "nta": non-temporally (prefetchnta:
-// into L1, marked to leave first): blocks of 32 16 blocks on instead; K-quants half a super-block on as well as
-// their prefetcht1 8 on. Same bits either way; the faster differs by CPU:
-// - on the AMD EPYC Zen 4 of sessions 33-38 (family 25, 2 cores) "nta" streams faster. Alternated A/B, a 1B
+// into L1, marked to leave first): blocks of 32 16 blocks on instead; K-quants 2 super-blocks on and nothing into
+// L2, their groups unrolled (kquant.cpp kAheadNta). Same bits either way; the faster differs by CPU:
+// - on the AMD EPYC Zen 4 of sessions 33-39 (family 25, 2 cores) "nta" streams faster. Alternated A/B, a 1B
 //   file's projections, one row: Q8_0 +4-12% on two threads, +30% on one; Q4_0 +10% and +24%; Q4_K +5-8% and
-//   +13%, Q6_K +5%. Decode in the engine (128 tokens, 10-12 pairs): Q8_0 time x0.86-0.90, Q4_0 x0.88-0.98.
-//   What lost there: the K-quant loop fetching into L1 alone (prefetcht0 or nta, 1-8 super-blocks on: -14-35%),
-//   blocks of 32 fetching both ways (-10-25%), and the decode batches' loops of 8 rows fetching into L1 (-6-42%);
+//   +13%, Q6_K +5% (session 38, with prefetcht1 8 on kept; session 39's unrolled loop without it: 3-4% more on
+//   two threads). Decode in the engine (128 tokens, 10-12 pairs): Q8_0 time x0.86-0.90, Q4_0 x0.88-0.98.
+//   What lost there: the K-quant loop fetching into L1 alone while its groups ran in a loop (prefetcht0 or nta,
+//   1-8 super-blocks on: -14-35%), blocks of 32 fetching both ways (-10-25%), and the decode batches' loops of 8
+//   rows fetching into L1 (-6-42%);
 // - on the Zen 5 and Intel CPUs of earlier sessions prefetcht1 was measured against no prefetch, never against
 //   prefetchnta, so they keep "t1" until someone measures there (benchmarks: set_decode_prefetch).
 // kAuto takes "nta" on AMD family 25 (Zen 4 is the only one there with AVX-512 VNNI, which the loops need) and
@@ -155,6 +157,19 @@ CHATAPP_INLINE inline void or_fifth_bits(__m256i w[8], __m256i h) {
   }
 }
 #endif
+
+// A prefetch of the line at p (kHint: _MM_HINT_T1 or _MM_HINT_NTA) that stays where the loop puts it. Why asm
+// volatile: in a fully unrolled loop GCC gathered _mm_prefetch calls at its top, a burst that filled the core's
+// miss buffers (the K-quant one-row loop streamed 1.37x slower on one thread); the scheduler moves no other
+// instruction across a volatile asm, so each group's share stays with its group.
+template <int kHint>
+CHATAPP_INLINE inline void prefetch_in_place(const uint8_t* p) {
+  static_assert(kHint == _MM_HINT_T1 || kHint == _MM_HINT_NTA, "only the hints the loops use");
+  if constexpr (kHint == _MM_HINT_T1)
+    asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(p)));
+  else
+    asm volatile("prefetchnta %0" : : "m"(*reinterpret_cast<const char*>(p)));
+}
 
 #if defined(CHATAPP_HAVE_VNNI)
 // acc + the VNNI dot (vpdpbusd) of w's unsigned bytes with the 4 signed int8 activations at x, broadcast to
