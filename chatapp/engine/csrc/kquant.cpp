@@ -337,7 +337,7 @@ constexpr int64_t kAhead = 8;
 constexpr int64_t kAheadBatched = 6;
 
 // Rows whose Q4_K / Q5_K dots run side by side in the pair loop (a prompt's rows): 2 on AMD family 25, 4 elsewhere.
-// On the Zen 4 of sessions 33-39, 2 rows were faster (alternated A/B, 512 rows, a 1B Q4_K_M file's Q4_K
+// On the Zen 4 of session 39, 2 rows were faster (alternated A/B, 512 rows, a 1B Q4_K_M file's Q4_K
 // projections: x0.939-0.953 the time over three runs; 3 rows x0.95-1.0, 5 rows 1.015x, 6 rows 1.05-1.07x slower).
 // Elsewhere 4, the loop as it was: 2 was not measured there, and fewer rows mean fewer dot chains side by side to
 // hide each dot's latency (tile_walk.h's dots_side_by_side).
@@ -375,7 +375,6 @@ CHATAPP_INLINE inline void prefetch_share(const uint8_t* blk, int64_t g) {
 // 1.5 ahead x0.97-0.98, 4 ahead x0.98), Q6_K x0.969; with any prefetcht1 as well, 1.05-1.14x slower.
 constexpr int64_t kAheadNta = 2;
 
-
 template <int64_t kKind>
 CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m512& dmin) {
   constexpr KindLayout L = layout_of(kKind);
@@ -386,8 +385,8 @@ CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m5
 
 // One row (a decode step) against tiles [t0, t1): the super-block sums stay in registers, and the bytes ahead
 // are prefetched, a share per group (the tiles sit one after another in memory): with kNta (tile_walk.h's
-// DecodePrefetch says where), kAheadNta super-blocks ahead non-temporally, the groups unrolled (1.37x the
-// rate with Q4_K weights in L3, one thread; 1.03x Q6_K); otherwise kAhead super-blocks ahead into L2, the
+// DecodePrefetch says where), kAheadNta super-blocks ahead non-temporally, the groups unrolled (1.34-1.40x the
+// rate with Q4_K weights in L3, one thread; Q6_K 1.03-1.10x); otherwise kAhead super-blocks ahead into L2, the
 // groups in a loop (unrolled, that fetch streamed 8% slower on the Zen 4 where it was measured).
 // The same integer sums and the same float steps in the same order as the batched loop below: rows agree
 // to the bit.
