@@ -351,16 +351,16 @@ inline int pair_rows_side_by_side() {
 // buffers and stalled it (perf put a quarter of the 8-way loop's samples on the prefetches), so reading
 // and computing ran one after the other. Spread, they overlap: alternated A/B over 390 MB of weights, one
 // row Q4_K +18% / Q6_K +15%, 8 rows +24% / +19%, 512 rows flat; same bits.
-// Group g's share of the lines of the super-block at `next`, into L2 (or as kHint says; kInPlace: each prefetch
-// kept where the group is, tile_walk.h's prefetch_in_place).
-template <int64_t kKind, int kHint = _MM_HINT_T1, bool kInPlace = false>
+// Group g's share of the lines of the super-block at `next`: into L2, or (kNta) non-temporally, each prefetch
+// kept where the group is (tile_walk.h's prefetch_nta_in_place).
+template <int64_t kKind, bool kNta = false>
 CHATAPP_INLINE inline void prefetch_share_of(const uint8_t* next, int64_t g) {
   constexpr int64_t kLines = (layout_of(kKind).tile_bytes + 63) / 64, kPerGroup = (kLines + 7) / 8;
   for (int64_t line = g * kPerGroup; line < std::min(kLines, (g + 1) * kPerGroup); ++line) {
-    if constexpr (kInPlace)
-      prefetch_in_place<kHint>(next + 64 * line);
+    if constexpr (kNta)
+      prefetch_nta_in_place(next + 64 * line);
     else
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), static_cast<_mm_hint>(kHint));
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
   }
 }
 
@@ -420,7 +420,7 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
 #pragma GCC unroll 8
         for (int64_t g = 0; g < 8; ++g) {
           // in place: the loop is unrolled, and GCC gathered plain prefetches into a burst at its top
-          prefetch_share_of<kKind, _MM_HINT_NTA, true>(blk + kAheadNta * L.tile_bytes, g);
+          prefetch_share_of<kKind, true>(blk + kAheadNta * L.tile_bytes, g);
           add_group(g);
         }
       } else {

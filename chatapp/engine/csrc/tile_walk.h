@@ -158,17 +158,12 @@ CHATAPP_INLINE inline void or_fifth_bits(__m256i w[8], __m256i h) {
 }
 #endif
 
-// A prefetch of the line at p (kHint: _MM_HINT_T1 or _MM_HINT_NTA) that stays where the loop puts it. Why asm
-// volatile: in a fully unrolled loop GCC gathered _mm_prefetch calls at its top, a burst that filled the core's
-// miss buffers (the K-quant one-row loop streamed 1.37x slower on one thread); the scheduler moves no other
-// instruction across a volatile asm, so each group's share stays with its group.
-template <int kHint>
-CHATAPP_INLINE inline void prefetch_in_place(const uint8_t* p) {
-  static_assert(kHint == _MM_HINT_T1 || kHint == _MM_HINT_NTA, "only the hints the loops use");
-  if constexpr (kHint == _MM_HINT_T1)
-    asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(p)));
-  else
-    asm volatile("prefetchnta %0" : : "m"(*reinterpret_cast<const char*>(p)));
+// A non-temporal prefetch of the line at p that stays where the loop puts it. Why asm volatile: in a fully
+// unrolled loop GCC gathered _mm_prefetch calls at its top, a burst that filled the core's miss buffers (the
+// K-quant one-row loop streamed 1.37x slower on one thread); the scheduler moves no other instruction across a
+// volatile asm, so each group's share stays with its group.
+CHATAPP_INLINE inline void prefetch_nta_in_place(const uint8_t* p) {
+  asm volatile("prefetchnta %0" : : "m"(*reinterpret_cast<const char*>(p)));
 }
 
 #if defined(CHATAPP_HAVE_VNNI)
