@@ -185,6 +185,15 @@ def test_kernels_compute_the_exact_weights_product(ext, type_name: str) -> None:
                     assert torch.equal(got, y[:rows]), (path, loop, rows)
             finally:
                 ext.set_decode_batch_loop("auto")
+        # a prompt's rows (more than 8) run the pair loops or one tile at a time (tile_walk.h: PromptTileLoop)
+        for loop in ("single", "pairs"):
+            ext.set_prompt_tile_loop(loop)
+            try:
+                for rows in (9, 13, 69, 70):
+                    got = ext.block_linear(x[:rows], packed, kind, n, bias, path=path)
+                    assert torch.equal(got, y[:rows]), (path, loop, rows)
+            finally:
+                ext.set_prompt_tile_loop("auto")
     strided = torch.zeros(70, k + 64)[:, :k]
     strided.copy_(x)
     assert torch.equal(ext.block_linear(strided, packed, kind, n, bias), y)
@@ -207,12 +216,17 @@ def test_decode_batches_take_the_pair_loops_on_intel_and_the_rows_loops_elsewher
     assert ext.decode_batch_loop() == ("pairs" if vendor == "GenuineIntel" else "rows")
 
 
+def on_amd_family_25() -> bool:
+    """Whether this machine's CPU is AMD family 25 (Zen 3 / Zen 4), as /proc/cpuinfo says."""
+    lines = [line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line]
+    fields = {key.strip(): value.strip() for key, value in lines}
+    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+
+
 def test_one_row_loops_fetch_non_temporally_on_amd_family_25_only(ext) -> None:
     """auto: prefetchnta where it was measured faster (Zen 4), prefetcht1 elsewhere (tile_walk.h); an override
     holds until reset."""
-    lines = [line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line]
-    fields = {key.strip(): value.strip() for key, value in lines}
-    amd_25 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+    amd_25 = on_amd_family_25()
     assert ext.decode_prefetch() == ("nta" if amd_25 else "t1")
     try:
         for setting in ("t1", "nta"):
@@ -223,6 +237,28 @@ def test_one_row_loops_fetch_non_temporally_on_amd_family_25_only(ext) -> None:
     finally:
         ext.set_decode_prefetch("auto")
     assert ext.decode_prefetch() == ("nta" if amd_25 else "t1")
+
+
+def test_prompts_run_one_tile_at_a_time_on_amd_family_25_for_k_quants_and_q8_0(ext) -> None:
+    """auto: the one-tile loops where they were measured faster (Zen 4: K-quants and Q8_0), the pair loops
+    elsewhere and for the 4- and 5-bit blocks of 32 (tile_walk.h); an override holds for every kind until reset."""
+    kinds = {KIND_FOR_GGUF_TYPE[t] for t in BLOCK_TYPES}
+    single_on_zen4 = {kind for kind in kinds if kind in K_KINDS or kind == KIND_FOR_GGUF_TYPE["Q8_0"]}
+    assert single_on_zen4 and kinds - single_on_zen4  # both sorts are asked about below
+
+    def auto(kind: int) -> str:
+        return "single" if on_amd_family_25() and kind in single_on_zen4 else "pairs"
+
+    assert {kind: ext.prompt_tile_loop(kind) for kind in kinds} == {kind: auto(kind) for kind in kinds}
+    try:
+        for loop in ("single", "pairs"):
+            ext.set_prompt_tile_loop(loop)
+            assert {ext.prompt_tile_loop(kind) for kind in kinds} == {loop}
+        with pytest.raises(RuntimeError, match="unknown prompt tile loop 'rows'"):
+            ext.set_prompt_tile_loop("rows")
+    finally:
+        ext.set_prompt_tile_loop("auto")
+    assert {kind: ext.prompt_tile_loop(kind) for kind in kinds} == {kind: auto(kind) for kind in kinds}
 
 
 # K-quant blocks with every code and scale at its largest: (block bytes, where d sits, the bytes of codes and

@@ -469,9 +469,12 @@ void tile_loop(VnniLoop, const QuantizedActivations& a, int64_t rows, int64_t k,
     case 8: return tile_loop_rows<kKind, 8>(a, k, packed, t0, t1, y, n_out, bias);
     default: break;
   }
-  for (; t0 + 1 < t1; t0 += 2) tile_pair_loop<kKind>(a, rows, k, packed, t0, y, n_out, bias);
+  // Rows this far are a decode batch that runs the pair loop, or a prompt's (tile_walk.h: PromptTileLoop).
+  if (rows <= 8 || prompt_tiles_in_pairs(single_tile_prompts_on_zen4(kKind)))
+    for (; t0 + 1 < t1; t0 += 2) tile_pair_loop<kKind>(a, rows, k, packed, t0, y, n_out, bias);
   if (t0 == t1) return;
-  // The last tile of an odd count, for every row.
+  // One tile at a time (a prompt's rows on CPUs where that is faster, or the last tile of an odd count), for
+  // every row.
   const int64_t blocks = k / kQuantBlock;
   alignas(64) float acc[kRows * kQuantTile];
   auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
@@ -650,6 +653,19 @@ void set_decode_prefetch(const std::string& name) {
 }
 
 std::string decode_prefetch() { return decode_prefetches_nta() ? "nta" : "t1"; }
+
+void set_prompt_tile_loop(const std::string& name) {
+  TORCH_CHECK(name == "auto" || name == "single" || name == "pairs", "unknown prompt tile loop '", name,
+              "' (auto, single or pairs)");
+  const PromptTileLoop loop = name == "single"  ? PromptTileLoop::kSingle
+                              : name == "pairs" ? PromptTileLoop::kPairs
+                                                : PromptTileLoop::kAuto;
+  prompt_tile_loop_setting().store(static_cast<int>(loop), std::memory_order_relaxed);
+}
+
+std::string prompt_tile_loop(int64_t kind) {
+  return prompt_tiles_in_pairs(single_tile_prompts_on_zen4(kind)) ? "pairs" : "single";
+}
 
 KernelPath kernel_path(const std::string& name) {
   if (name == "best") return kHasVnni ? kPathVnni : kHasAvx2 ? kPathAvx2 : kPathPortable;

@@ -27,6 +27,10 @@ constexpr int64_t kKindF16Rows = 1, kKindBF16Rows = 2;
 constexpr int64_t kKindQ4 = 4, kKindQ4S = 5, kKindQ5S = 6, kKindQ5M = 7, kKindQ8 = 8, kKindIQ4NL = 9, kKindQ4K = 104, kKindQ5K = 105,
                   kKindQ6K = 106, kKindIQ4X = 108;
 
+// The kinds whose prompts run one tile at a time on AMD family 25 (tile_walk.h: PromptTileLoop): the K-quants and
+// Q8_0, measured faster so; the 4- and 5-bit blocks of 32 keep the pair loops (Q4_0 measured 2% slower).
+constexpr bool single_tile_prompts_on_zen4(int64_t kind) { return kind >= kKindQ4K || kind == kKindQ8; }
+
 // Bytes of one (tile, block) for the block-of-32 kinds.
 constexpr int64_t kQ4TileBytes = kQuantTile * kQuantBlock / 2 + 2 * kQuantTile * 2;  // 320
 constexpr int64_t kQ4STileBytes = kQuantTile * kQuantBlock / 2 + kQuantTile * 2;      // 288
@@ -58,6 +62,11 @@ std::string decode_batch_loop();
 // decode_prefetch() says which holds now: "t1" or "nta".
 void set_decode_prefetch(const std::string& name);
 std::string decode_prefetch();
+// Which VNNI loop a prompt's rows (more than 8) run (same bits either way; tile_walk.h says why there are two):
+// "auto" (chosen by CPU and kind), "single" (a tile at a time) or "pairs". prompt_tile_loop(kind) says which runs
+// now for a packed kind.
+void set_prompt_tile_loop(const std::string& name);
+std::string prompt_tile_loop(int64_t kind);
 
 // y [M, out_features] = x [M, K] @ W^T (+ bias); packed: uint8 [tiles, K / block, tile bytes] (the float rows
 // kinds: uint8 [N, 2 K]). Every row is

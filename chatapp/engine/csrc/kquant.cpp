@@ -336,16 +336,6 @@ constexpr int64_t kAhead = 8;
 // 32 rows: Q4_K 442 -> 484; 2, 3 and 4 ahead also beat 8, by less).
 constexpr int64_t kAheadBatched = 6;
 
-// Rows whose Q4_K / Q5_K dots run side by side in the pair loop (a prompt's rows): 2 on AMD family 25, 4 elsewhere.
-// On the Zen 4 of session 39, 2 rows were faster (alternated A/B, 512 rows, a 1B Q4_K_M file's Q4_K
-// projections: x0.939-0.953 the time over three runs; 3 rows x0.95-1.0, 5 rows 1.015x, 6 rows 1.05-1.07x slower).
-// Elsewhere 4, the loop as it was: 2 was not measured there, and fewer rows mean fewer dot chains side by side to
-// hide each dot's latency (tile_walk.h's dots_side_by_side).
-inline int pair_rows_side_by_side() {
-  static const int rows = amd_family_25() ? 2 : 4;
-  return rows;
-}
-
 // Group g's eighth of the cache lines of the super-block kDistance blocks after blk, into L2. Each group fetches
 // its share rather than each super-block all its 37-53 lines at once: such a burst filled the core's miss
 // buffers and stalled it (perf put a quarter of the 8-way loop's samples on the prefetches), so reading
@@ -494,9 +484,8 @@ void tiles_rows_vnni(const SuperBlockActivations& a, int64_t k, const uint8_t* p
 
 // Tiles t and t + 1 for every row (more than 8), 32 rows a pass: the batched loop below on two tiles at once, each
 // row's activation words broadcast into a register once for both tiles' dots (block_quant.cpp's tile_pair_loop says
-// why). The same integer sums and float steps in the same order: same bits. kRowGroup: rows side by side in the
-// Q4_K / Q5_K dots (pair_rows_side_by_side() says how many).
-template <int64_t kKind, int kRowGroup>
+// why). The same integer sums and float steps in the same order: same bits.
+template <int64_t kKind>
 void tile_pair_loop(const SuperBlockActivations& a, int64_t rows, int64_t k, const uint8_t* packed, int64_t t, float* y,
                     int64_t n_out, const float* bias) {
   constexpr KindLayout L = layout_of(kKind);
@@ -568,7 +557,7 @@ void tile_pair_loop(const SuperBlockActivations& a, int64_t rows, int64_t k, con
                 _mm512_store_ps(fs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[h][r]), fsc[h], sum));
               }
           };
-          for_row_groups<kRowGroup>(count, group_rows);
+          for_row_groups<4>(count, group_rows);
         }
       }
       for (int h = 0; h < 2; ++h) {
@@ -609,13 +598,13 @@ void tile_loop(VnniLoop, const SuperBlockActivations& a, int64_t rows, int64_t k
     case 8: return tiles_rows_vnni<kKind, 8>(a, k, packed, t0, t1, y, n_out, bias);
     default: break;
   }
-  if (pair_rows_side_by_side() == 2)
-    for (; t0 + 1 < t1; t0 += 2) tile_pair_loop<kKind, 2>(a, rows, k, packed, t0, y, n_out, bias);
-  else
-    for (; t0 + 1 < t1; t0 += 2) tile_pair_loop<kKind, 4>(a, rows, k, packed, t0, y, n_out, bias);
+  // Rows this far are a decode batch that runs the pair loop, or a prompt's (tile_walk.h: PromptTileLoop).
+  if (rows <= 8 || prompt_tiles_in_pairs(single_tile_prompts_on_zen4(kKind)))
+    for (; t0 + 1 < t1; t0 += 2) tile_pair_loop<kKind>(a, rows, k, packed, t0, y, n_out, bias);
   if (t0 == t1) return;
-  // Each group's codes are unpacked once for all the rows (its registers reused row after row), the rows'
-  // super-block sums kept in L1.
+  // One tile at a time (a prompt's rows on CPUs where that is faster, or the last tile of an odd count). Each
+  // group's codes are unpacked once for all the rows (its registers reused row after row), the rows' super-block
+  // sums kept in L1.
   auto block = [&](const uint8_t* blk, int64_t b, int64_t m0, int64_t count) CHATAPP_INLINE {
     // The first group's sums start the rows' sums (no zeroing pass: GCC made it a memset call per super-block,
     // 2% of a prefill).

@@ -116,6 +116,36 @@ inline bool decode_prefetches_nta() {
   return zen4;
 }
 
+// Which VNNI loop a prompt's rows (more than 8) run: the pair loops (tile_pair_loop in block_quant.cpp and
+// kquant.cpp: two tiles at a time, each activation word broadcast once into a register for both tiles' dots)
+// or the one-tile loops (a tile at a time, each dot reading its activation word from memory within the
+// instruction). Both make the same integer sums and float steps in the same order: same bits. The faster
+// differs by CPU:
+// - the pair loops were made on the Zen 5 of sessions 17-26, where a dot, a multiply and a fused add share two
+//   ports and the loads had set the pace (block_quant.cpp's tile_pair_loop says by how much);
+// - on the AMD EPYC Zen 4 of sessions 33-40 (family 25) the one-tile loops are faster for K-quants and Q8_0.
+//   Alternated A/B, 512 rows, a 1B file's projections, two threads, time one-tile / pairs: Q4_K x0.909-0.933,
+//   Q6_K x0.911-0.982, Q8_0 x0.902-0.967. A 512-token prefill in the engine (in-process, 8 rounds): Q4_K_M
+//   x0.920, Q6_K x0.937, Q8_0 x0.954; but Q4_0 x1.019, so the 4- and 5-bit blocks of 32 keep the pair loops.
+// kAuto takes the one-tile loops on AMD family 25 for the kinds block_quant.h's single_tile_prompts_on_zen4 names,
+// the pair loops otherwise (Intel's and Zen 5's were not measured against them); set_prompt_tile_loop()
+// overrides it for every kind (tests run both).
+enum class PromptTileLoop : int { kAuto = 0, kSingle = 1, kPairs = 2 };
+
+inline std::atomic<int>& prompt_tile_loop_setting() {
+  static std::atomic<int> setting{static_cast<int>(PromptTileLoop::kAuto)};
+  return setting;
+}
+
+// Whether a prompt's rows run the pair loops now (the setting, kAuto resolved by CPU): single_on_zen4 says
+// whether the weights' kind runs one tile at a time on AMD family 25.
+inline bool prompt_tiles_in_pairs(bool single_on_zen4) {
+  const auto setting = static_cast<PromptTileLoop>(prompt_tile_loop_setting().load(std::memory_order_relaxed));
+  if (setting != PromptTileLoop::kAuto) return setting == PromptTileLoop::kPairs;
+  static const bool zen4 = amd_family_25();
+  return !(zen4 && single_on_zen4);
+}
+
 // fn(blk, b) for blocks [0, blocks) of one tile, kBlockBytes each. Where fetch holds (and ahead > 0: 0 leaves
 // fetching to fn), each block first prefetches the one `ahead` blocks on, with kHint (into L2 unless a loop
 // says why not): tiles follow one another in memory, so DRAM latency hides behind the dots (a tile's last
