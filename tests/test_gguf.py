@@ -254,7 +254,7 @@ def test_prompts_run_one_tile_at_a_time_on_amd_family_25_for_k_quants_and_q8_0(e
         for loop in ("single", "pairs"):
             ext.set_prompt_tile_loop(loop)
             assert {ext.prompt_tile_loop(kind) for kind in kinds} == {loop}
-        with pytest.raises(RuntimeError, match="unknown prompt tile loop 'rows'"):
+        with pytest.raises(RuntimeError, match=r"unknown prompt tile loop 'rows' \(auto, single or pairs\)"):
             ext.set_prompt_tile_loop("rows")
     finally:
         ext.set_prompt_tile_loop("auto")

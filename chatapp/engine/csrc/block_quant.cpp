@@ -48,7 +48,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <numeric>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -632,35 +635,46 @@ std::vector<std::string> block_quant_paths() {
   return paths;
 }
 
+namespace {
+
+// The choice called `name` among `choices` into `setting` (an enum's value as an int), or an error that names the
+// choices: what the loop settings below share.
+template <class Choice>
+void store_choice(std::atomic<int>& setting, const std::string& name, const char* what,
+                  std::initializer_list<std::pair<const char*, Choice>> choices) {
+  std::string names;
+  size_t i = 0;
+  for (const auto& [choice, value] : choices) {
+    if (name == choice) return setting.store(static_cast<int>(value), std::memory_order_relaxed);
+    if (i > 0) names += i + 1 == choices.size() ? " or " : ", ";
+    names += choice;
+    ++i;
+  }
+  TORCH_CHECK(false, "unknown ", what, " '", name, "' (", names, ")");
+}
+
+}  // namespace
+
 void set_decode_batch_loop(const std::string& name) {
-  TORCH_CHECK(name == "auto" || name == "rows" || name == "pairs", "unknown decode batch loop '", name,
-              "' (auto, rows or pairs)");
-  const DecodeBatchLoop loop = name == "rows"    ? DecodeBatchLoop::kRows
-                               : name == "pairs" ? DecodeBatchLoop::kPairs
-                                                 : DecodeBatchLoop::kAuto;
-  decode_batch_loop_setting().store(static_cast<int>(loop), std::memory_order_relaxed);
+  store_choice<DecodeBatchLoop>(decode_batch_loop_setting(), name, "decode batch loop",
+                                {{"auto", DecodeBatchLoop::kAuto}, {"rows", DecodeBatchLoop::kRows},
+                                 {"pairs", DecodeBatchLoop::kPairs}});
 }
 
 std::string decode_batch_loop() { return decode_batches_in_pairs() ? "pairs" : "rows"; }
 
 void set_decode_prefetch(const std::string& name) {
-  TORCH_CHECK(name == "auto" || name == "t1" || name == "nta", "unknown decode prefetch '", name,
-              "' (auto, t1 or nta)");
-  const DecodePrefetch setting = name == "t1"    ? DecodePrefetch::kT1
-                                 : name == "nta" ? DecodePrefetch::kNta
-                                                 : DecodePrefetch::kAuto;
-  decode_prefetch_setting().store(static_cast<int>(setting), std::memory_order_relaxed);
+  store_choice<DecodePrefetch>(decode_prefetch_setting(), name, "decode prefetch",
+                               {{"auto", DecodePrefetch::kAuto}, {"t1", DecodePrefetch::kT1},
+                                {"nta", DecodePrefetch::kNta}});
 }
 
 std::string decode_prefetch() { return decode_prefetches_nta() ? "nta" : "t1"; }
 
 void set_prompt_tile_loop(const std::string& name) {
-  TORCH_CHECK(name == "auto" || name == "single" || name == "pairs", "unknown prompt tile loop '", name,
-              "' (auto, single or pairs)");
-  const PromptTileLoop loop = name == "single"  ? PromptTileLoop::kSingle
-                              : name == "pairs" ? PromptTileLoop::kPairs
-                                                : PromptTileLoop::kAuto;
-  prompt_tile_loop_setting().store(static_cast<int>(loop), std::memory_order_relaxed);
+  store_choice<PromptTileLoop>(prompt_tile_loop_setting(), name, "prompt tile loop",
+                               {{"auto", PromptTileLoop::kAuto}, {"single", PromptTileLoop::kSingle},
+                                {"pairs", PromptTileLoop::kPairs}});
 }
 
 std::string prompt_tile_loop(int64_t kind) {

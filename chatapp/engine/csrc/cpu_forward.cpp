@@ -485,10 +485,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("name"));
   m.def("decode_prefetch", &decode_prefetch, "how the VNNI one-row loops fetch weights ahead now: t1 or nta");
   m.def("set_prompt_tile_loop", &set_prompt_tile_loop,
-        "the VNNI loop a prompt's rows (more than 8) run: auto (by CPU), single or pairs (the same bits)",
+        "the VNNI loop a prompt's rows (more than 8) run: auto (by CPU and kind), single or pairs (the same bits)",
         py::arg("name"));
-  m.def("prompt_tile_loop", &prompt_tile_loop, "the VNNI loop a prompt's rows run now for a packed kind: single or pairs",
-        py::arg("kind"));
+  m.def("prompt_tile_loop", &prompt_tile_loop,
+        "the VNNI loop a prompt's rows run now for a packed kind: single or pairs", py::arg("kind"));
   m.def("dequantizes_gguf_rows", &dequantizes_gguf_rows, "whether dequantize_gguf_rows takes a GGUF type",
         py::arg("ggml_type"));
   m.def(
