@@ -406,7 +406,22 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
           }
         }
       };
-      if constexpr (kNta) {
+      if constexpr (kNta && kKind == kKindQ4K) {
+        // Every group's codes first, then their scales, so that the super-block's lines are asked for front to
+        // back. Read with each group's codes, the scales (the super-block's last 256 bytes) sent the reads to its
+        // end and back eight times, and the hardware prefetcher fell behind: alternated A/B over a 1B Q4_K_M
+        // file's projections, one row, time x0.897 on one thread, x0.954 on two; engine decode 1.12x (8 pairs).
+        // The same float steps in the same order: same bits.
+        __m512i dots[8];
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < 8; ++g) {
+          prefetch_share_of<kKind, true>(blk + kAheadNta * L.tile_bytes, g);
+          dots[g] = q4k_group_one_row(blk, g, xq + 32 * g);
+        }
+#pragma GCC unroll 8
+        for (int64_t g = 0; g < 8; ++g)
+          fsum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[g]), group_scales<kKind>(blk, g), fsum);
+      } else if constexpr (kNta) {
 #pragma GCC unroll 8
         for (int64_t g = 0; g < 8; ++g) {
           // in place: the loop is unrolled, and GCC gathered plain prefetches into a burst at its top
