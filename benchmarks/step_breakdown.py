@@ -13,7 +13,8 @@ them" is the rest of the loop's call: the embedding lookup, the RoPE tables and 
 
 The projections alone: each layer's weight tensors as the file stores them, packed by the extension's own
 repack, each into a mapping of its own in 2 MB pages (as a running engine holds them), each run on random rows in the
-file's layer order, the best of five passes. Their streaming rate (packed bytes / time) is printed too.
+file's layer order, the best of five passes. Their streaming rate (packed bytes / time) is printed too, and beside
+it a plain read of as many bytes made after each pass (best of five) and the share of it the projections reach.
 """
 
 from __future__ import annotations
@@ -123,8 +124,13 @@ def packed_projections(path: Path, ext: Any) -> tuple[list[list[tuple[torch.Tens
     return packed, sum(w.numel() for layer in packed for w, *_ in layer)
 
 
-def projections_alone(path: Path, batch: int) -> tuple[float, float]:
-    """ms for one pass over every layer's projections on `batch` random rows (best of five), and GB/s."""
+def projections_alone(path: Path, batch: int) -> tuple[float, float, float]:
+    """ms for one pass over every layer's projections on `batch` random rows (best of five), its GB/s, and the GB/s
+    of a plain read of as many bytes (a float32 sum, same threads, best of five) run after each pass.
+
+    Why the read beside them: this host's memory gives one process 26 GB/s one minute and 50 the next, so a rate
+    alone says little; read in turn with the passes, the plain read says what the memory gave then, and the
+    ratio how much of it the kernels' streaming takes (session 41: 0.70-0.93 over runs on a 1B Q4_K_M file)."""
     from chatapp.engine import cpu_kernels
 
     ext = cpu_kernels.load()
@@ -133,14 +139,18 @@ def projections_alone(path: Path, batch: int) -> tuple[float, float]:
     torch.set_num_threads(2)
     layers, total = packed_projections(path, ext)
     rows = {k: torch.randn(batch, k) for layer in layers for *_, k in layer}
-    best = float("inf")
+    plain = in_huge_pages(torch.ones(total // 4 * 4, dtype=torch.uint8)).view(torch.float32)
+    best = best_read = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         for layer in layers:
             for w, kind, n, k in layer:
                 ext.block_linear(rows[k], w, kind, n, None)
         best = min(best, time.perf_counter() - start)
-    return best * 1e3, total / best / 1e9
+        start = time.perf_counter()
+        plain.sum()
+        best_read = min(best_read, time.perf_counter() - start)
+    return best * 1e3, total / best / 1e9, total / best_read / 1e9
 
 
 def main() -> None:
@@ -150,7 +160,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
     ms = engine_step(args.file, args.batch, args.tokens)
-    alone, rate = projections_alone(args.file, args.batch)
+    alone, rate, read = projections_alone(args.file, args.batch)
     print(
         f"{args.file.name}, {args.batch} requests: {ms['step']:.2f} ms a decode step "
         f"({args.batch * 1e3 / ms['step']:.0f} tok/s)"
@@ -162,6 +172,10 @@ def main() -> None:
         f"the projections alone, {args.batch} rows: {alone:.2f} ms ({rate:.1f} GB/s of packed weights); the layer "
         f"loop's rest (attention, norms, RoPE, KV writes, the projections' slower streaming inside the loop): "
         f"{ms['layer loop'] - alone:.2f} ms"
+    )
+    print(
+        f"a plain read of as many bytes (a float32 sum, 2 threads) after each pass: {read:.1f} GB/s; the projections "
+        f"stream at {100 * rate / read:.0f}% of it"
     )
 
 

@@ -29,7 +29,9 @@ def test_step_breakdown_times_a_decode_step_by_parts_and_the_projections_alone(t
     parts = {name: float(ms) for name, ms in re.findall(r"^  ([a-zA-Z][a-zA-Z ]*): ([\d.-]+) ms$", out, re.M)}
     ops = {name: float(ms) for name, ms in re.findall(r"^    ([a-z_/ ]+): ([\d.]+) ms \([\d.]+%\)$", out, re.M)}
     alone = re.search(r"the projections alone, 2 rows: ([\d.]+) ms \(([\d.]+) GB/s", out)
-    assert step and alone, out
+    read = re.search(r"after each pass: ([\d.]+) GB/s; the projections stream at (\d+)% of it", out)
+    assert step and alone and read, out
+    assert float(read.group(1)) > 0 and int(read.group(2)) > 0, out
     assert set(parts) == {"layer loop", "LM head", "sampling", "engine around them"}, out
     assert parts["layer loop"] > 0 and parts["LM head"] > 0 and float(alone.group(1)) > 0, out
     # the parts are within the step they were timed in
