@@ -26,11 +26,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+# isort: off
+# First: chatapp sets the engine's OpenMP wait policy before torch loads OpenMP. With OpenMP's default, the threads
+# of the plain read below went on spinning into the next projections pass (which then ran ~30% slower).
+import chatapp  # noqa: E402,F401
+
+# isort: on
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -130,7 +136,7 @@ def projections_alone(path: Path, batch: int) -> tuple[float, float, float]:
 
     Why the read beside them: this host's memory gives one process 26 GB/s one minute and 50 the next, so a rate
     alone says little; read in turn with the passes, the plain read says what the memory gave then, and the
-    ratio how much of it the kernels' streaming takes (session 41: 0.70-0.93 over runs on a 1B Q4_K_M file)."""
+    ratio how much of it the kernels' streaming takes."""
     from chatapp.engine import cpu_kernels
 
     ext = cpu_kernels.load()
