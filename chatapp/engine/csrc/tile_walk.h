@@ -397,6 +397,11 @@ inline float half_at(const uint8_t* p) {
 // thread woken second or reading slower memory at that moment left the other idle for ~8% of a decode step's linear
 // time (measured on a 1B Q4_K_M model). A tile is always computed whole by one thread with the same arithmetic, so
 // where it runs never changes its bits.
+// The claims shrink as a share runs out (a quarter of what is left, at least one tile): a thread that has emptied
+// its own share can only take tiles nobody has claimed, so the other's last claim of 4 tiles was left to run alone
+// (a down projection's 4 tiles of a 1B model: ~13 us). Throwaway timers in a one-row decode, alternated (1B Q4_K_M,
+// 400 tokens, 6 runs): the time each thread spent waiting at the end of a call, both threads summed, 4.1 us against
+// 6.7 before (of ~220 us a call, 89 calls a step); the stream each thread reads stays one run from the front.
 constexpr int64_t kTilesPerClaim = 4;
 
 template <class Run>
@@ -410,12 +415,14 @@ inline void for_tiles_balanced(int64_t tiles, Run&& run) {
   const std::unique_ptr<Share[]> shares(new Share[threads]);
   auto pack = [](uint64_t front, uint64_t back) { return front | (back << 32); };
   for (int64_t t = 0; t < threads; ++t) shares[t].range.store(pack(t * tiles / threads, (t + 1) * tiles / threads));
-  // Takes up to n tiles from the front (or the back) of share s: [t0, t1), empty when none is left.
+  // Takes up to n tiles from the front (at most a quarter of those left, at least one) or the back of share s:
+  // [t0, t1), empty when none is left.
   auto take = [&](int64_t s, int64_t n, bool from_back, int64_t& t0, int64_t& t1) {
     uint64_t cur = shares[s].range.load(std::memory_order_relaxed);
     for (;;) {
       const int64_t front = static_cast<int64_t>(cur & 0xFFFFFFFFu), back = static_cast<int64_t>(cur >> 32);
-      const int64_t got = std::min(n, back - front);
+      const int64_t want = from_back ? n : std::min(n, std::max<int64_t>(1, (back - front) / 4));
+      const int64_t got = std::min(want, back - front);
       if (got <= 0) return false;
       t0 = from_back ? back - got : front;
       t1 = t0 + got;
