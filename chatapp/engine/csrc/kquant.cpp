@@ -365,6 +365,20 @@ CHATAPP_INLINE inline void prefetch_share(const uint8_t* blk, int64_t g) {
 // 1.5 ahead x0.97-0.98, 4 ahead x0.98), Q6_K x0.969; with any prefetcht1 as well, 1.05-1.14x slower.
 constexpr int64_t kAheadNta = 2;
 
+// Except Q4_K and IQ4_XS (kNoFetchFrontToBack), whose one-row loop reads each tile front to back (codes, then
+// scales): they fetch nothing and leave it to the hardware prefetcher. Why: this host's memory gives a process
+// 30 GB/s most minutes and 45-60 in others, and a fetch a fixed 2 super-blocks ahead fell behind in the fast
+// minutes, where the prefetcher keeps pace. Measured (the forty-fourth session, this Zen 4, one row against 8-10
+// layers' projections of a 1B file as one call, the loops alternated round by round for 4-8 minutes, each
+// round's plain 2-thread read beside it): time / the fetching loop, Q4_K x0.929-0.930 over all rounds (x0.92-0.96
+// in rounds whose read ran under 36 GB/s, x0.90-0.91 over 42), IQ4_XS x0.947; prefetcht1 8 or 16 ahead instead
+// x0.955-0.971. Q5_K and Q6_K, whose high bits sit between codes and scales, ran 1.9x slower without the fetch,
+// and a Q6_K layout read front to back (each pair of groups' codes, high bits and scales in 13 lines) 1.03x.
+// Whole passes of a 1B file's projections (each its own call, as a decode step makes them), 3-5 minutes of
+// alternated passes: Q4_K_M time x0.974 (its Q6_K tensors unchanged), IQ4_XS x0.979, faster in every band of
+// read rates (x0.97-0.98).
+constexpr bool kNoFetchFrontToBack = true;
+
 template <int64_t kKind>
 CHATAPP_INLINE inline void load_block_scales(const uint8_t* blk, __m512& d, __m512& dmin) {
   constexpr KindLayout L = layout_of(kKind);
@@ -412,10 +426,11 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
         // end and back eight times, and the hardware prefetcher fell behind: alternated A/B over a 1B Q4_K_M
         // file's projections, one row, time x0.897 on one thread, x0.954 on two; engine decode 1.12x (8 pairs).
         // The same float steps in the same order: same bits.
+        // Read front to back, the tile needs no software fetch (kNoFetchFrontToBack says why).
         __m512i dots[8];
 #pragma GCC unroll 8
         for (int64_t g = 0; g < 8; ++g) {
-          prefetch_share_of<kKind, true>(blk + kAheadNta * L.tile_bytes, g);
+          if constexpr (!kNoFetchFrontToBack) prefetch_share_of<kKind, true>(blk + kAheadNta * L.tile_bytes, g);
           dots[g] = q4k_group_one_row(blk, g, xq + 32 * g);
         }
 #pragma GCC unroll 8
@@ -429,7 +444,7 @@ void tiles_one_row_vnni(const SuperBlockActivations& a, int64_t row, int64_t k, 
         __m512i c0[8], c1[8];
 #pragma GCC unroll 8
         for (int64_t g = 0; g < 8; ++g) {
-          prefetch_share_of<kKind, true>(blk + kAheadNta * L.tile_bytes, g);
+          if constexpr (!kNoFetchFrontToBack) prefetch_share_of<kKind, true>(blk + kAheadNta * L.tile_bytes, g);
           __m512i w[8], sc0, sc1;  // the scales unused here: read below, after every group's codes
           load_group<kKind>(blk, g, w, sc0, sc1);
           c0[g] = dot_chain(w, xq + 32 * g, _mm512_set1_epi32(start_factor(kKind) * q6[2 * g]));
