@@ -81,7 +81,8 @@ inline bool decode_batches_in_pairs() {
 // other loop does: blocks of 32 (block_quant.cpp tile_loop_one_row: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) 24
 // blocks on, K-quants (kquant.cpp tiles_one_row_vnni) 8 super-blocks on. "nta": non-temporally (prefetchnta:
 // into L1, marked to leave first): blocks of 32 16 blocks on instead; K-quants 2 super-blocks on and nothing into
-// L2, their groups unrolled (kquant.cpp kAheadNta), Q4_K and IQ4_XS nothing at all (kNoFetchFrontToBack). Same bits either way; the faster differs by CPU:
+// L2, their groups unrolled (kquant.cpp kAheadNta), Q4_K and IQ4_XS nothing at all (kNoFetchFrontToBack). Same
+// bits either way; the faster differs by CPU:
 // - on the AMD EPYC Zen 4 of sessions 33-39 (family 25, 2 cores) "nta" streams faster. Alternated A/B, a 1B
 //   file's projections, one row: Q8_0 +4-12% on two threads, +30% on one; Q4_0 +10% and +24%; Q4_K +5-8% and
 //   +13%, Q6_K +5% (session 38, with prefetcht1 8 on kept; session 39's unrolled loop without it: 3-4% more on
